@@ -1,0 +1,121 @@
+"""GAE, shaped rewards and whitening against hand-derived values and slow float64 references."""
+
+import itertools
+
+import pytest
+import torch
+
+from tether import gae, masked_mean, shaped_rewards, whiten
+
+
+def ragged_mask(lengths, T):
+    return torch.tensor([[1.0 if t < n else 0.0 for t in range(T)] for n in lengths], dtype=torch.float64)
+
+
+def gae_weighted_sum(rewards, values, lengths, gamma, lam, last_values):
+    """Slow O(T²) form: Â_t = Σ_l (γλ)^l δ_{t+l}, written from the definition, row by row in Python floats."""
+    B, T = len(rewards), len(rewards[0])
+    adv = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        n = lengths[b]
+        v = list(values[b][:n]) + [last_values[b]]  # V(s_0..s_{n-1}) then the value after the last token
+        deltas = [rewards[b][t] + gamma * v[t + 1] - v[t] for t in range(n)]
+        for t in range(n):
+            adv[b][t] = sum((gamma * lam) ** l * deltas[t + l] for l in range(n - t))
+    return adv
+
+
+def test_reward_on_last_of_four_steps_zero_values():
+    # Issue 2: reward only on the last of 4 steps, zero values -> [(γλ)³, (γλ)², γλ, 1].
+    gamma, lam = 0.9, 0.8
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    values = torch.zeros(1, 4)
+    mask = torch.ones(1, 4)
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    gl = gamma * lam
+    torch.testing.assert_close(adv, torch.tensor([[gl**3, gl**2, gl, 1.0]]))
+    torch.testing.assert_close(ret, adv)  # returns = A + V with V = 0
+
+
+def test_hand_computed_with_values():
+    # T=2, γ=1, λ=0.5, V=[0.5, 0.25], r=[0, 1], ended with EOS.
+    # δ1 = 1 + 0 - 0.25 = 0.75; δ0 = 0 + 0.25 - 0.5 = -0.25; Â1 = 0.75; Â0 = -0.25 + 0.5*0.75 = 0.125
+    adv, ret = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.25]]), torch.ones(1, 2), 1.0, 0.5)
+    torch.testing.assert_close(adv, torch.tensor([[0.125, 0.75]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.625, 1.0]]))
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (1.0, 0.0), (1.0, 1.0), (0.9, 0.7), (0.5, 1.0)])
+def test_matches_weighted_sum_on_ragged_masks(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 5, 3, 7, 7, 2]
+    B, T = len(lengths), 7
+    mask = ragged_mask(lengths, T)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    last_values = torch.randn(B, generator=g, dtype=torch.float64)
+    # Garbage beyond each row's end must not leak into valid positions.
+    rewards_garbage = torch.where(mask.bool(), rewards, torch.full_like(rewards, 1e6))
+    values_garbage = torch.where(mask.bool(), values, torch.full_like(values, -1e6))
+    adv, ret = gae(rewards_garbage, values_garbage, mask, gamma, lam, last_values)
+    expected = torch.tensor(gae_weighted_sum(rewards.tolist(), values.tolist(), lengths, gamma, lam,
+                                             last_values.tolist()), dtype=torch.float64)
+    torch.testing.assert_close(adv, expected, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret, (expected + values) * mask, atol=1e-9, rtol=1e-9)
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+
+
+def test_lambda_zero_is_one_step_td_and_lambda_one_is_monte_carlo():
+    lengths = [4, 2]
+    mask = ragged_mask(lengths, 4)
+    r = torch.tensor([[0.1, -0.2, 0.3, 1.0], [0.5, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    v = torch.tensor([[0.4, 0.3, 0.2, 0.1], [1.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    adv0, _ = gae(r, v, mask, 1.0, 0.0)
+    td = torch.tensor([[0.1 + 0.3 - 0.4, -0.2 + 0.2 - 0.3, 0.3 + 0.1 - 0.2, 1.0 - 0.1],
+                       [0.5 - 1.0 - 1.0, 2.0 + 1.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(adv0, td)
+    adv1, ret1 = gae(r, v, mask, 1.0, 1.0)
+    reward_to_go = torch.tensor([[1.2, 1.1, 1.3, 1.0], [2.5, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(ret1, reward_to_go)  # MC: returns are the reward-to-go
+    torch.testing.assert_close(adv1, (reward_to_go - v) * mask)
+
+
+def test_truncation_bootstrap_and_length_one_rows():
+    # A truncated row bootstraps from last_values; an EOS row uses 0; length-1 rows work.
+    r = torch.tensor([[1.0], [1.0]])
+    v = torch.tensor([[0.25], [0.25]])
+    adv, ret = gae(r, v, torch.ones(2, 1), 1.0, 0.95, last_values=torch.tensor([0.0, 2.0]))
+    torch.testing.assert_close(adv, torch.tensor([[0.75], [2.75]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0], [3.0]]))
+
+
+def test_shaped_rewards_by_hand():
+    kl = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.5, -0.5, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    out = shaped_rewards(torch.tensor([2.0, -1.0]), kl, 0.1, mask)
+    expected = torch.tensor([[-0.01, -0.02, -0.03 + 2.0, 0.0], [-0.05, 0.05 - 1.0, 0.0, 0.0]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_shaped_rewards_beta_zero_is_score_only():
+    mask = ragged_mask([3, 1], 3).float()
+    out = shaped_rewards(torch.tensor([1.5, 4.0]), torch.randn(2, 3), 0.0, mask)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 1.5], [4.0, 0.0, 0.0]]))
+
+
+def test_whiten_uses_valid_tokens_only():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -100.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.float64)
+    out = whiten(x, mask, eps=0.0)
+    valid = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    mu, sd = valid.mean(), valid.std(unbiased=False)
+    expected = torch.tensor([[(1 - mu) / sd, (2 - mu) / sd, 0.0], [(3 - mu) / sd, (4 - mu) / sd, 0.0]],
+                            dtype=torch.float64)
+    torch.testing.assert_close(out, expected)
+    kept = whiten(x, mask, shift_mean=False, eps=0.0)
+    torch.testing.assert_close(kept, (expected + mu) * mask)
+    assert abs(masked_mean(out, mask).item()) < 1e-12
+
+
+def test_masked_mean_empty_is_zero_not_nan():
+    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0

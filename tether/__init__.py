@@ -1,0 +1,34 @@
+"""tether: classic RLHF — Bradley–Terry reward models and PPO with a per-token KL tether.
+
+``import tether`` is light: it loads the math (torch only). ``RewardModel`` and other components that
+need ``transformers`` are resolved lazily on first access.
+"""
+
+from tether.advantages import gae, masked_mean, shaped_rewards, whiten
+from tether.kl import AdaptiveKLController, FixedKLController, ProportionalKLController, kl_penalty
+from tether.losses import bradley_terry_loss, ppo_policy_loss, ppo_value_loss
+from tether.stats import entropy_from_logits, explained_variance, logprobs_from_logits, wilson_interval
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "RewardModel": "tether.reward_model",
+    "RewardEnsemble": "tether.reward_model",
+}
+
+__all__ = [
+    "bradley_terry_loss", "kl_penalty", "shaped_rewards", "gae", "whiten", "ppo_policy_loss",
+    "ppo_value_loss", "masked_mean", "entropy_from_logits", "explained_variance", "logprobs_from_logits",
+    "wilson_interval", "FixedKLController", "AdaptiveKLController", "ProportionalKLController",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tether' has no attribute {name!r}")

@@ -1,0 +1,63 @@
+"""The ``tether`` command: demo, train-rm, ppo, plan, doctor, report.
+
+Each subcommand lives in its own module, imported only when used, exposing
+``add_arguments(parser)`` and ``run(args) -> int``. Bad input (a :class:`~tether.errors.TetherError`)
+is printed as one line and exits with code 2; argparse errors are one line too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tether.errors import TetherError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("tether.demo.pipeline", "run the built-in task end to end: SFT -> reward model -> PPO (beta > 0 and beta = 0)"),
+    "train-rm": ("tether.reward_training", "train a Bradley-Terry reward model from preference pairs"),
+    "ppo": ("tether.ppo_cli", "optimise a policy against rewards with PPO and a KL tether"),
+    "plan": ("tether.plan", "will this RLHF run fit? memory of the four models per phase"),
+    "doctor": ("tether.doctor", "diagnose a PPO run from its metrics"),
+    "report": ("tether.report", "write a self-contained HTML report of one or more runs"),
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump) and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="tether", description="Classic RLHF: reward models and PPO with a KL tether.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    sub.required = True
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if only is None or only == name:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Only the chosen subcommand's module is imported (keeps `tether plan` and `--help` fast).
+    only = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except TetherError as e:
+        print(f"tether {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tether {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

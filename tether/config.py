@@ -1,0 +1,235 @@
+"""Dataclass configs loadable from YAML and overridable from the command line.
+
+Each stage has one dataclass config, nested by concern (``kl``, ``gae``, ``generation``, ``optim``).
+Fields are declared with :func:`option`, which documents the field once and carries its validation
+(choices, bounds) and its command-line flag. The same checks run on YAML values and on flags, so every
+bad value gets the same one-line error naming the key or the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tether.errors import ConfigError
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, help: str = "", *, choices: tuple | None = None,
+           low: float | None = None, high: float | None = None, low_open: bool = False,
+           flag: str | None = None, repeat: bool = False, default_factory: Any = _MISSING):
+    """A documented config field. ``low``/``high`` bound numbers (``low_open``: strictly above ``low``);
+    ``flag`` is its command-line flag (``None``: ``--`` + the dotted key with ``.``/``_`` as ``-``);
+    ``repeat`` makes a list field take one value per use of the flag."""
+    meta = {"help": help, "choices": choices, "low": low, "high": high, "low_open": low_open,
+            "flag": flag, "repeat": repeat}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    if isinstance(default, (list, dict)):
+        value = default
+        return dataclasses.field(default_factory=lambda: list(value) if isinstance(value, list)
+                                 else dict(value), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_config(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def leaf_fields(cls, prefix: str = ""):
+    """Yield ``(dotted_key, field, type)`` for every non-dataclass field, depth first."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_config(tp):
+            yield from leaf_fields(tp, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f, tp
+
+
+def flag_of(key: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + key.replace(".", "-").replace("_", "-")
+
+
+def _convert(value: Any, tp, where: str) -> Any:
+    """Convert/check ``value`` against type ``tp``; strings from the command line are parsed."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(value, inner[0], where)
+        raise ConfigError(f"{where}: unsupported type {tp}")
+    if origin is list:
+        (inner,) = args or (str,)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_convert(v, inner, where) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _check(value: Any, f: dataclasses.Field, where: str) -> None:
+    m = f.metadata
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if v is None:
+            continue
+        if m.get("choices") and v not in m["choices"]:
+            raise ConfigError(f"{where}: {v!r} is not one of {', '.join(map(str, m['choices']))}")
+        if m.get("low") is not None:
+            if (v <= m["low"]) if m.get("low_open") else (v < m["low"]):
+                op = ">" if m.get("low_open") else ">="
+                raise ConfigError(f"{where}: must be {op} {m['low']}, got {v!r}")
+        if m.get("high") is not None and v > m["high"]:
+            raise ConfigError(f"{where}: must be <= {m['high']}, got {v!r}")
+
+
+def _set(cfg, key: str, value: Any, where: str) -> None:
+    """Set dotted ``key`` on ``cfg`` after conversion and checks; unknown keys are errors."""
+    parts = key.split(".")
+    obj = cfg
+    for p in parts[:-1]:
+        sub = getattr(obj, p, None)
+        if sub is None or not dataclasses.is_dataclass(sub):
+            raise ConfigError(f"{where}: unknown key '{key}'")
+        obj = sub
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    f = fields.get(parts[-1])
+    if f is None:
+        raise ConfigError(f"{where}: unknown key '{key}'")
+    tp = _hints(type(obj))[f.name]
+    if _is_config(tp):
+        raise ConfigError(f"{where}: '{key}' is a section, give its keys")
+    value = _convert(value, tp, where)
+    _check(value, f, where)
+    setattr(obj, f.name, value)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + str(k) + "."))
+        else:
+            out[prefix + str(k)] = v
+    return out
+
+
+def load_yaml(cfg, path: str | Path) -> None:
+    """Apply the keys of YAML file ``path`` (nested like the dataclass) to ``cfg``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{line} invalid YAML ({getattr(e, 'problem', e)})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+    for key, value in _flatten(data).items():
+        _set(cfg, key, value, f"{path}: key '{key}'")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """Add one flag per config field (values parsed later by :func:`resolve_config`)."""
+    for key, f, tp in leaf_fields(cls):
+        help_ = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            help_ += f" ({'|'.join(map(str, f.metadata['choices']))})"
+        default = f.default if f.default is not _MISSING else None
+        if default is not None and default != "" and not isinstance(default, list):
+            help_ += f" [default: {default}]"
+        action = "append" if f.metadata.get("repeat") else "store"
+        if tp is bool:
+            parser.add_argument(flag_of(key, f), dest=key, nargs="?", const="true", default=None,
+                                metavar="BOOL", help=help_)
+        else:
+            parser.add_argument(flag_of(key, f), dest=key, action=action, default=None,
+                                metavar=key.split(".")[-1].upper(), help=help_)
+
+
+def resolve_config(cls, args: argparse.Namespace, config_path: str | None = None):
+    """Defaults ← YAML file ← command-line flags, each value checked; returns the config."""
+    cfg = cls()
+    if config_path:
+        load_yaml(cfg, config_path)
+    for key, f, _ in leaf_fields(cls):
+        value = getattr(args, key, None)
+        if value is not None:
+            _set(cfg, key, value, flag_of(key, f))
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        validate()
+    return cfg
+
+
+def config_to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def config_from_dict(cls, data: dict, where: str = "config"):
+    """Rebuild a config from :func:`config_to_dict` output (e.g. a saved run)."""
+    cfg = cls()
+    for key, value in _flatten(data).items():
+        _set(cfg, key, value, f"{where}: key '{key}'")
+    return cfg

@@ -1,0 +1,5 @@
+"""The built-in demo (SPEC E): a synthetic task with a gold rule, a tiny policy, SFT, and preference pairs.
+
+``task`` defines 3-digit addition, its gold rule, the character tokenizer and the GPT-2 policy;
+``sft`` fine-tunes the policy, generates answers, measures gold accuracy and samples preference pairs.
+"""

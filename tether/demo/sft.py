@@ -1,0 +1,213 @@
+"""Supervised fine-tuning of the demo policy, batched answer generation and gold accuracy.
+
+SFT teaches the policy to write ``answer + [EOS]`` after a prompt; the loss is the token-mean cross-entropy
+over those answer and EOS tokens only (prompt and padding positions carry the label -100):
+
+    L = − (1 / Σ m_t) Σ_t m_t · log π(x_t | x_<t),   m_t = 1 on answer and EOS tokens.
+
+``generate_answers`` decodes with the KV cache and left padding; ``gold_accuracy`` scores responses with
+the gold rule *and* requires that each ended with ``[EOS]`` (see ``tether.demo.task``).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from tether.demo.task import gold_reward
+from tether.stats import wilson_interval
+
+IGNORE_INDEX = -100  # label of positions that do not enter the loss (PyTorch's cross_entropy default)
+
+
+def sft_tensors(tokenizer, problems: list[dict[str, str]]) -> dict[str, torch.Tensor]:
+    """Right-padded ``prompt + answer + [EOS]`` rows for SFT.
+
+    Returns ``input_ids`` (N, T), ``attention_mask`` (N, T) and ``labels`` (N, T): labels equal the
+    input ids on answer and EOS positions and -100 on prompt and padding positions (labels are aligned
+    with the inputs; ``answer_loss`` shifts them). Right padding keeps every prompt at positions 0..,
+    as in generation, where the demo's fixed-width prompts need no padding.
+    """
+    prompts = tokenizer([p["prompt"] for p in problems], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([p["answer"] for p in problems], add_special_tokens=False)["input_ids"]
+    width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+    n = len(problems)
+    input_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)  # (N, T)
+    labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)  # (N, T)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        target = a + [tokenizer.eos_token_id]
+        row = p + target
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        labels[i, len(p) : len(row)] = torch.tensor(target)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over labelled positions: logits (B, T, V) predict labels (B, T) shifted by one."""
+    pred = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B·(T−1), V): position t predicts token t+1
+    target = labels[:, 1:].reshape(-1)  # (B·(T−1),)
+    return F.cross_entropy(pred.float(), target, ignore_index=IGNORE_INDEX)
+
+
+def sft_train(
+    model,
+    tokenizer,
+    problems: list[dict[str, str]],
+    steps: int,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: bool = True,
+    weight_decay: float = 0.01,
+) -> dict[str, Any]:
+    """Fine-tune ``model`` in place on ``problems`` for ``steps`` AdamW steps (constant ``lr``, grad-norm clip 1).
+
+    Batches are drawn by reshuffling the problems every epoch (seeded, without touching the global RNG).
+    Returns ``steps``, ``seconds``, ``steps_per_second``, ``final_loss`` (mean of the last ≤ 20 steps)
+    and ``losses`` (one per step).
+    """
+    if steps < 0 or batch_size < 1:
+        raise ValueError(f"sft_train: need steps >= 0 and batch_size >= 1, got {steps} and {batch_size}")
+    data = sft_tensors(tokenizer, problems)
+    n = data["input_ids"].shape[0]
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    was_training = model.training
+    model.train()
+    order = torch.randperm(n, generator=gen)
+    cursor, losses = 0, []
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc="sft", disable=not progress, leave=False)
+    for _ in bar:
+        if cursor + batch_size > n:  # new epoch; the tail of the old order is dropped
+            order, cursor = torch.randperm(n, generator=gen), 0
+        idx = order[cursor : cursor + batch_size]
+        cursor += batch_size
+        mask = data["attention_mask"][idx]  # (B, T)
+        width = int(mask.sum(1).max())  # trim columns that are padding in every row
+        batch = {k: v[idx, :width].to(device) for k, v in data.items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+        loss = answer_loss(logits, batch["labels"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    seconds = time.perf_counter() - start
+    model.train(was_training)
+    tail = losses[-20:]
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "steps_per_second": steps / seconds if seconds > 0 else float("nan"),
+        "final_loss": sum(tail) / len(tail) if tail else float("nan"),
+        "losses": losses,
+    }
+
+
+@contextmanager
+def _eval_mode(model) -> Iterator[None]:
+    """Eval mode for the duration, then the caller's mode back."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def generate_answers(
+    model,
+    tokenizer,
+    prompts: list[str],
+    greedy: bool = True,
+    temperature: float = 1.0,
+    max_new_tokens: int = 8,
+    batch_size: int = 256,
+    seed: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """One response per prompt: ``{"response": str, "ended_with_eos": bool}``.
+
+    ``model.generate`` with the KV cache on left-padded batches; a batch stops as soon as every row has
+    written ``[EOS]`` or ``max_new_tokens`` is reached. Sampling is plain temperature sampling (no top-k /
+    top-p); ``seed`` makes it repeatable without touching the global RNG. The response is the text before
+    the first ``[EOS]``, decoded without special tokens.
+    """
+    if not greedy and temperature <= 0:
+        raise ValueError(f"generate_answers: temperature must be > 0 when sampling, got {temperature}")
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    out: list[dict[str, Any]] = []
+    with _eval_mode(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
+        starts = range(0, len(prompts), batch_size)
+        for s in tqdm(starts, desc="generate", disable=not progress, leave=False):
+            enc = tokenizer(
+                prompts[s : s + batch_size],
+                add_special_tokens=False,
+                padding=True,
+                padding_side="left",  # new tokens must follow the prompt directly in every row
+                return_tensors="pt",
+            ).to(device)
+            seqs = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=eos,
+                use_cache=True,
+                **sampling,
+            )
+            new = seqs[:, enc["input_ids"].shape[1] :].cpu()  # (B, ≤ max_new_tokens)
+            for row in new.tolist():
+                ended = eos in row
+                tokens = row[: row.index(eos)] if ended else row
+                out.append({"response": tokenizer.decode(tokens, skip_special_tokens=True), "ended_with_eos": ended})
+    return out
+
+
+def gold_accuracy(
+    model,
+    tokenizer,
+    problems: list[dict[str, str]],
+    greedy: bool = True,
+    temperature: float = 1.0,
+    max_new_tokens: int = 8,
+    batch_size: int = 256,
+    seed: int | None = None,
+    z: float = 1.96,
+) -> dict[str, Any]:
+    """Exact-match accuracy under the gold rule, requiring ``[EOS]``, with its Wilson interval.
+
+    Returns ``accuracy``, ``n``, ``correct`` (0/1 per problem), ``low``/``high`` (Wilson, ``z``),
+    ``eos_rate`` and ``responses`` (the texts, for sample tables).
+    """
+    gens = generate_answers(
+        model, tokenizer, [p["prompt"] for p in problems], greedy=greedy, temperature=temperature,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+    )
+    responses = [g["response"] for g in gens]
+    scores = gold_reward([p["prompt"] for p in problems], responses, answer=[p["answer"] for p in problems])
+    correct = [int(s == 1.0 and g["ended_with_eos"]) for s, g in zip(scores, gens)]
+    n, k = len(correct), sum(correct)
+    low, high = wilson_interval(k, n, z)
+    return {
+        "accuracy": k / n if n else float("nan"),
+        "n": n,
+        "correct": correct,
+        "low": low,
+        "high": high,
+        "eos_rate": sum(g["ended_with_eos"] for g in gens) / n if n else float("nan"),
+        "responses": responses,
+    }

@@ -1,0 +1,166 @@
+"""The demo's synthetic task — 3-digit addition — with its gold rule, character tokenizer and tiny policy.
+
+Task. A prompt is two zero-padded 3-digit operands and an equals sign, ``"123+045="`` (always
+``PROMPT_WIDTH`` = 8 characters, so a batch of prompts needs no padding and every answer starts at the
+same position); the answer is the sum written without padding, ``"168"`` (1–4 digits, 0..1998). The
+policy learns to write the answer and then ``[EOS]``. There are 1000 × 1000 = 10⁶ distinct problems.
+
+Gold rule. A response — the text the policy generated, decoded *without* special tokens — is correct
+iff it equals the answer exactly: no surrounding spaces, no leading zeros, no extra text
+(``gold_reward``). The rule sees text only. The SFT/evaluation helpers in ``tether.demo.sft``
+(``gold_accuracy``, ``make_preference_pairs``) additionally require the response to have ended with
+``[EOS]``: a response cut off by ``max_new_tokens`` is wrong even if its text matches. During PPO,
+whether a response ended with EOS is the trainer's business (SPEC B1/B4).
+
+Why this task. Measured in ``shared/notes/demo-feasibility.md`` on a 2-core CPU with the 0.6M-parameter
+policy below: SFT reaches ~30% held-out exact match after ~500 steps, ~78% after ~1000 and ~91% after
+~1150, so a step budget can leave the policy *partially* competent, and RL against the gold rule then
+improves it measurably within a few minutes. 2-digit addition is solved too fast (no room for RL);
+three operands learn too slowly for a CPU demo.
+
+Train and held-out problems are drawn from separate seeded streams and never overlap
+(``split_problems``); the held-out set depends only on ``(seed, n_eval)``, not on ``n_train``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+N_VALUES = 1000  # operands are 0..999
+PROMPT_WIDTH = 8  # len("123+045=")
+MAX_ANSWER_LEN = 4  # "1998"
+PAD, EOS, UNK = "[PAD]", "[EOS]", "[UNK]"
+# Digits and the task's symbols, plus a space and lowercase letters so that a policy drifting off-task
+# (e.g. PPO with β = 0 gaming a reward model) can write something other than digits, visibly.
+CHARACTERS = "0123456789+-= abcdefghijklmnopqrstuvwxyz"
+
+
+def problem(a: int, b: int) -> dict[str, str]:
+    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": str(a + b)}``."""
+    if not (0 <= a < N_VALUES and 0 <= b < N_VALUES):
+        raise ValueError(f"operands must be in 0..{N_VALUES - 1}, got {a} and {b}")
+    return {"prompt": f"{a:03d}+{b:03d}=", "answer": str(a + b)}
+
+
+def solve(prompt: str) -> str:
+    """The gold answer of a prompt ``"aaa+bbb="``; ``ValueError`` for anything else."""
+    left, plus, right = prompt.partition("+")
+    if not (plus and right.endswith("=") and len(left) == 3 and len(right) == 4):
+        raise ValueError(f"not a demo prompt (expected 'aaa+bbb='): {prompt!r}")
+    a, b = left, right[:-1]
+    if not (a.isdigit() and b.isdigit() and a.isascii() and b.isascii()):
+        raise ValueError(f"not a demo prompt (expected 'aaa+bbb='): {prompt!r}")
+    return str(int(a) + int(b))
+
+
+def make_problems(n: int, seed: int | str, exclude: set[str] | None = None) -> list[dict[str, str]]:
+    """``n`` distinct problems drawn uniformly (seeded) from the 10⁶, skipping prompts in ``exclude``."""
+    exclude = exclude or set()
+    if n < 0 or n > N_VALUES * N_VALUES - len(exclude):
+        raise ValueError(f"cannot draw {n} distinct problems (10^6 exist, {len(exclude)} excluded)")
+    rng = random.Random(seed)  # str seeds are hashed deterministically (sha512), so runs repeat
+    seen: set[int] = set()
+    out = []
+    while len(out) < n:
+        k = rng.randrange(N_VALUES * N_VALUES)
+        if k in seen:
+            continue
+        seen.add(k)
+        p = problem(k // N_VALUES, k % N_VALUES)
+        if p["prompt"] not in exclude:
+            out.append(p)
+    return out
+
+
+def split_problems(seed: int, n_train: int, n_eval: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Deterministic ``(train, held_out)`` problem lists that never share a prompt.
+
+    Each comes from its own stream, so the held-out set is the same whatever ``n_train`` is.
+    """
+    held_out = make_problems(n_eval, f"tether-demo/{seed}/held-out")
+    train = make_problems(n_train, f"tether-demo/{seed}/train", exclude={p["prompt"] for p in held_out})
+    return train, held_out
+
+
+def gold_reward(
+    prompts: list[str], responses: list[str], answer: list[Any] | None = None, **fields: Any
+) -> list[float]:
+    """The gold rule as a tether reward rule: 1.0 when the response text equals the answer, else 0.0.
+
+    ``answer`` (a column of the prompt rows, one per prompt) is used when given; otherwise each answer
+    is solved from its prompt. Other columns in ``fields`` are ignored. Exact match on the text only:
+    ``"168"`` is right for ``"123+045="``; ``" 168"``, ``"0168"``, ``"168 "``, ``"1680"`` and ``""`` are
+    wrong. EOS is not visible here (see the module docstring).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"gold_reward: {len(prompts)} prompts but {len(responses)} responses")
+    if answer is None:
+        answer = [solve(p) for p in prompts]
+    elif len(answer) != len(prompts):
+        raise ValueError(f"gold_reward: {len(prompts)} prompts but {len(answer)} answers")
+    return [1.0 if r == str(a) else 0.0 for r, a in zip(responses, answer)]
+
+
+def build_tokenizer(save_dir: str | Path | None = None, padding_side: str = "left"):
+    """A character-level ``PreTrainedTokenizerFast``: one token per character of ``CHARACTERS``.
+
+    ``[PAD]`` = 0, ``[EOS]`` = 1 (also the BOS token; the demo adds neither automatically), ``[UNK]`` = 2
+    for any other character. Decoding fuses characters back without spaces. Left padding by default,
+    which is what batched generation needs. Saved with ``save_pretrained`` when ``save_dir`` is given;
+    ``AutoTokenizer.from_pretrained(save_dir)`` reloads it.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *CHARACTERS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character, newlines included ([\s\S]), is its own piece; "isolated" keeps it as a token.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=EOS,
+        unk_token=UNK,
+        padding_side=padding_side,
+    )
+    if save_dir is not None:
+        tokenizer.save_pretrained(str(save_dir))
+    return tokenizer
+
+
+def build_policy(tokenizer, seed: int, n_layer: int = 3, n_embd: int = 128, n_head: int = 4, n_positions: int = 64):
+    """A randomly initialised ``GPT2LMHeadModel`` for the tokenizer (0.6M parameters at the defaults).
+
+    Initialisation is seeded without touching the global torch RNG. Dropout is off: the PPO ratio must
+    be exactly 1 on the first minibatch (B2), and the task is too small to need it. ``n_positions`` = 64
+    leaves room for prompts of 8 tokens plus long, off-task responses.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model

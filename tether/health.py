@@ -1,0 +1,333 @@
+"""Health bands of a PPO run (SPEC D1) and the live monitor that checks them step by step (D3).
+
+The bands are one table of data, :data:`BANDS`: which metric (a key of ``metrics.jsonl``), what it is
+compared with, the healthy range, the alarm threshold, what it means and the failure mode it points to.
+Defaults come from the reference (§D, tables D.1–D.5); :class:`HealthConfig` (the ``health`` section of
+the PPO config) overrides them. :class:`HealthMonitor` is fed one metrics row per PPO step; it returns an
+:class:`Alert` when a band first enters its alarm range and keeps a trace that ``tether doctor`` reads.
+
+The exact rules (persistence, onset, trend baselines) are written out in ``docs/diagnostics.md``.
+Imports only the standard library and ``tether.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+
+from tether.config import option
+from tether.errors import ConfigError
+
+# Failure modes, named as in SPEC D2.
+KL_EXPLOSION = "KL explosion"
+RATIO = "ratio out of control"
+VALUE_COLLAPSE = "value collapse"
+MODE_COLLAPSE = "mode collapse"
+REWARD_HACKING = "reward hacking"
+NOT_LEARNING = "not learning"
+
+# What a band's measure is:
+#   value   the metric itself
+#   recent  metric / median of its previous `window` values          (sudden jumps and drops)
+#   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
+#   gold    best-so-far gold metric − gold metric, at evaluations where the reward is above its value at
+#           that best evaluation (0 otherwise): "reward rising while the held-out gold metric falls"
+MEASURES = ("value", "recent", "early", "gold")
+
+
+@dataclass(frozen=True)
+class Band:
+    """One row of the health table. ``None`` bounds are absent. A measure is *alarm* when it is below
+    ``alarm_low`` or above ``alarm_high``; *warn* when it is outside ``healthy`` on an alarm side; else *ok*."""
+
+    name: str
+    key: str  # metric key in metrics.jsonl
+    measure: str  # one of MEASURES
+    healthy: tuple[float | None, float | None]
+    alarm_low: float | None
+    alarm_high: float | None
+    failure_mode: str
+    meaning: str
+    warmup: bool = False  # skip the first `HealthConfig.warmup` values (the critic is still learning)
+    persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
+
+    def state(self, m: float) -> str:
+        if not math.isfinite(m):
+            return "alarm"  # a NaN/inf metric means the run has blown up
+        if (self.alarm_low is not None and m < self.alarm_low) or (
+                self.alarm_high is not None and m > self.alarm_high):
+            return "alarm"
+        low, high = self.healthy
+        if (self.alarm_low is not None and low is not None and m < low) or (
+                self.alarm_high is not None and high is not None and m > high):
+            return "warn"
+        return "ok"
+
+    def _range(self, low, high, unit: str) -> str:
+        if low is not None and high is not None:
+            return f"{low:g}–{high:g}{unit}"
+        return f"≥ {low:g}{unit}" if low is not None else f"≤ {high:g}{unit}"
+
+    def healthy_text(self) -> str:
+        return self._range(*self.healthy, self.unit())
+
+    def alarm_text(self) -> str:
+        parts = []
+        if self.alarm_low is not None:
+            parts.append(f"< {self.alarm_low:g}{self.unit()}")
+        if self.alarm_high is not None:
+            parts.append(f"> {self.alarm_high:g}{self.unit()}")
+        return " or ".join(parts)
+
+    def unit(self) -> str:
+        return {"recent": "× recent median", "early": "× early median", "gold": " drop from best"}.get(
+            self.measure, "")
+
+
+# The table, in the order of the causal chain of reference D.6 (ratio → KL → value → entropy/length →
+# reward hacking): when two bands leave their healthy range at the same step the earlier row is the cause.
+BANDS: tuple[Band, ...] = (
+    Band("ratio_std", "policy/ratio_std", "value", (None, 0.1), None, 0.3, RATIO,
+         "spread of π/π_old over the epoch loop; large = the last epochs are far off-policy (IS fails)"),
+    Band("clip_fraction", "policy/clip_fraction", "value", (0.05, 0.2), None, 0.5, RATIO,
+         "share of tokens whose ratio hit the clip; > 50% = severely off-policy"),
+    Band("kl_mean", "objective/kl", "value", (0.01, 0.1), None, 0.5, KL_EXPLOSION,
+         "mean per-token KL to the reference; the tether is slipping"),
+    Band("kl_max", "objective/kl_max", "value", (None, 1.0), None, 5.0, KL_EXPLOSION,
+         "largest per-token KL to the reference; a few tokens have run away (gibberish, repetition)"),
+    Band("value_loss", "value/loss", "recent", (None, 2.0), None, 5.0, VALUE_COLLAPSE,
+         "critic loss against its recent median; should fall, a jump = reward outlier or critic LR too high",
+         warmup=True),
+    Band("explained_variance", "value/explained_variance", "value", (0.5, None), 0.0, None, VALUE_COLLAPSE,
+         "1 − Var[R − V]/Var[R]; < 0 = the critic explains nothing", warmup=True),
+    Band("entropy", "policy/entropy", "recent", (0.8, None), 0.5, None, MODE_COLLAPSE,
+         "policy entropy against its recent median; a sudden drop = the policy collapses onto few outputs"),
+    Band("length_collapse", "response/length_mean", "early", (0.67, None), 0.5, None, MODE_COLLAPSE,
+         "mean response length against the start of the run; collapse = degenerate short outputs"),
+    Band("length_surge", "response/length_mean", "early", (None, 1.5), None, 2.0, REWARD_HACKING,
+         "mean response length against the start of the run; surge = the reward model's length bias is gamed"),
+    Band("gold_drop", "eval/accuracy", "gold", (None, 0.05), None, 0.1, REWARD_HACKING,
+         "held-out gold metric below its best while the reward kept rising (Goodhart)"),
+    Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
+         "clip fraction < 5% for a long stretch = the policy barely moves (LR too low? no advantage signal?)",
+         persistence="not_learning_steps"),
+)
+BAND_NAMES = tuple(b.name for b in BANDS)
+REWARD_KEYS = ("eval/reward", "objective/scores_raw", "objective/scores")  # reward for the gold band
+
+
+@dataclass
+class HealthConfig:
+    """Health bands and live alarms (the ``health`` section of the PPO config)."""
+
+    persistence: int = option(2, "steps a metric must stay in its alarm range before it counts", low=1,
+                              flag="--health-persistence")
+    warmup: int = option(5, "first values of value/loss and value/explained_variance not judged "
+                            "(the critic is still learning)", low=0, flag="--health-warmup")
+    window: int = option(10, "steps in the recent median that entropy and value loss are compared with",
+                         low=2, flag="--health-window")
+    baseline_steps: int = option(5, "first steps whose median response length is the baseline", low=1,
+                                 flag="--health-baseline-steps")
+    not_learning_steps: int = option(20, "steps the clip fraction must stay < 5% to count as not learning",
+                                     low=1, flag="--health-not-learning-steps")
+    stop_on_alarm: bool = option(False, "stop training at the first health alarm", flag="--stop-on-alarm")
+    rollback: bool = option(False, "on an alarm, go back to the last checkpoint saved while healthy",
+                            flag="--rollback-on-alarm")
+    bands: list[str] = option([], "override a band: NAME=HEALTHY_LOW:HEALTHY_HIGH:ALARM_LOW:ALARM_HIGH "
+                                  "(empty = no bound) or NAME=off", repeat=True, flag="--health-band")
+
+    def validate(self) -> None:
+        resolve_bands(self)
+
+
+def _parse_bound(text: str, where: str) -> float | None:
+    text = text.strip()
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: '{text}' is not a number") from None
+
+
+def resolve_bands(config: HealthConfig) -> list[Band]:
+    """The default table with ``config.bands`` overrides applied; bands set to ``off`` are dropped."""
+    table = {b.name: b for b in BANDS}
+    for spec in config.bands:
+        where = f"health.bands '{spec}'"
+        name, sep, rest = spec.partition("=")
+        name = name.strip()
+        if not sep or name not in table:
+            raise ConfigError(f"{where}: expected NAME=LOW:HIGH:ALARM_LOW:ALARM_HIGH with NAME one of "
+                              f"{', '.join(BAND_NAMES)}")
+        if rest.strip().lower() == "off":
+            table[name] = None
+            continue
+        parts = rest.split(":")
+        if len(parts) != 4:
+            raise ConfigError(f"{where}: expected 4 ':'-separated bounds, got {len(parts)}")
+        low, high, alarm_low, alarm_high = (_parse_bound(p, where) for p in parts)
+        if alarm_low is None and alarm_high is None:
+            raise ConfigError(f"{where}: give at least one alarm bound (or NAME=off)")
+        if table[name] is None:
+            table[name] = next(b for b in BANDS if b.name == name)
+        table[name] = dataclasses.replace(table[name], healthy=(low, high), alarm_low=alarm_low,
+                                          alarm_high=alarm_high)
+    return [b for b in table.values() if b is not None]
+
+
+@dataclass
+class Point:
+    """One judged value of a band: the step, the raw metric, the measure compared and its state."""
+
+    step: int
+    value: float
+    measure: float
+    state: str  # ok | warn | alarm
+
+
+@dataclass
+class Alert:
+    """A band that entered its alarm range. ``str(alert)`` is the one line to print."""
+
+    step: int  # the step at which the alarm was confirmed (after `persistence` steps in alarm)
+    alarm_step: int  # the first step of that stretch in alarm
+    onset_step: int  # the first step of the stretch outside the healthy band that led to it
+    band: Band
+    value: float  # the metric at `step`
+    measure: float
+
+    @property
+    def failure_mode(self) -> str:
+        return self.band.failure_mode
+
+    def __str__(self) -> str:
+        b = self.band
+        shown = f"{self.value:.4g}" if b.measure == "value" else f"{self.value:.4g} ({self.measure:.3g}{b.unit()})"
+        since = f" since step {self.onset_step}" if self.onset_step != self.step else ""
+        return (f"health alarm at step {self.step}: {b.key} = {shown}, alarm {b.alarm_text()}, healthy "
+                f"{b.healthy_text()}; out of band{since} -> {b.failure_mode} (see `tether doctor`)")
+
+
+class _Tracker:
+    """Streaming state of one band: its measure's baseline, the current stretches, its trace."""
+
+    def __init__(self, band: Band, config: HealthConfig):
+        self.band, self.config = band, config
+        self.need = getattr(config, band.persistence)
+        self.history: list[float] = []  # raw values seen (for the recent/early baselines)
+        self.best: tuple[float, float] | None = None  # gold: (best gold metric, reward at that eval)
+        self.trace: list[Point] = []
+        self.seen = 0  # values of the metric seen, judged or not
+        self.seen_ok = False
+        self.stretch_start: int | None = None  # first step of the current warn/alarm stretch
+        self.alarm_start: int | None = None
+        self.alarm_len = 0
+        self.alerted = False  # an alert has been returned for this band
+        self.first_alert: Alert | None = None
+
+    def _measure(self, value: float, row: dict) -> float | None:
+        b, cfg = self.band, self.config
+        if b.measure == "value":
+            return value
+        if b.measure == "recent":
+            previous = self.history[-cfg.window:]
+            self.history.append(value)
+            if len(previous) < min(3, cfg.window):
+                return None
+            base = statistics.median(previous)
+            return value / base if base > 0 else None
+        if b.measure == "early":
+            self.history.append(value)
+            if len(self.history) <= cfg.baseline_steps:
+                return None
+            base = statistics.median(self.history[:cfg.baseline_steps])
+            return value / base if base > 0 else None
+        # gold: needs a reward on the same row
+        reward = next((float(row[k]) for k in REWARD_KEYS if _number(row.get(k)) is not None), None)
+        if reward is None:
+            return None
+        if self.best is None or value >= self.best[0]:
+            self.best = (value, reward)
+            return 0.0
+        return self.best[0] - value if reward > self.best[1] else 0.0
+
+    def update(self, step: int, row: dict) -> Alert | None:
+        value = _number(row.get(self.band.key))
+        if value is None:
+            return None
+        self.seen += 1
+        if self.band.warmup and self.seen <= self.config.warmup:
+            return None
+        measure = self._measure(value, row)
+        if measure is None:
+            return None
+        state = self.band.state(measure)
+        self.trace.append(Point(step, value, measure, state))
+        if state == "ok":
+            self.seen_ok, self.stretch_start, self.alarm_start, self.alarm_len = True, None, None, 0
+            return None
+        if self.stretch_start is None:
+            self.stretch_start = step
+        if state == "warn":
+            self.alarm_start, self.alarm_len = None, 0
+            return None
+        if self.alarm_start is None:
+            self.alarm_start = step
+        self.alarm_len += 1
+        if self.alarm_len < self.need or self.alerted:
+            return None
+        self.alerted = True
+        # A stretch that began with the first judged value has no healthy point before it: its onset is
+        # the alarm itself (e.g. explained variance still low at the end of the critic's warm-up).
+        onset = self.stretch_start if self.seen_ok else self.alarm_start
+        self.first_alert = Alert(step, self.alarm_start, onset, self.band, value, measure)
+        return self.first_alert
+
+    @property
+    def in_alarm(self) -> bool:
+        return self.alarm_len >= self.need
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+class HealthMonitor:
+    """Checks each step's metrics against the bands; used live by the trainer and offline by the doctor.
+
+    ``update`` returns the alerts of bands that *first* enter their alarm range at this step (each band
+    alerts once per run; ``reset()`` after a rollback starts afresh). ``healthy`` is False while any band
+    is in alarm; a checkpoint saved while ``healthy`` and before an alert's ``onset_step`` is a safe
+    rollback target.
+    """
+
+    def __init__(self, config: HealthConfig | None = None):
+        self.config = config or HealthConfig()
+        self.bands = resolve_bands(self.config)
+        self.reset()
+
+    def reset(self) -> None:
+        self.trackers = {b.name: _Tracker(b, self.config) for b in self.bands}
+        self.last_step: int | None = None
+
+    def update(self, step: int, metrics: dict) -> list[Alert]:
+        self.last_step = step
+        return [a for t in self.trackers.values() if (a := t.update(step, metrics)) is not None]
+
+    @property
+    def healthy(self) -> bool:
+        return not any(t.in_alarm for t in self.trackers.values())
+
+    def alerts(self) -> list[Alert]:
+        """Every band's first alert so far, in time order of onset (ties: table order)."""
+        order = {name: i for i, name in enumerate(BAND_NAMES)}
+        found = [t.first_alert for t in self.trackers.values() if t.first_alert is not None]
+        return sorted(found, key=lambda a: (a.onset_step, order[a.band.name]))
+
+    def trace(self, name: str) -> list[Point]:
+        return self.trackers[name].trace

@@ -1,0 +1,70 @@
+"""Statistics on tensors and counts: log-probs and entropy from logits, explained variance,
+Wilson interval (A4), n-gram repetition. Pure functions; import only torch and math."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tether.advantages import masked_mean, masked_var
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token]: (B, T, V), (B, T) → (B, T), computed in float32 or wider."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    # logsumexp is stable and avoids materialising the full (B, T, V) log-softmax
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position: H = logsumexp(z) − Σ softmax(z)·z. (..., V) → (...)."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """EV = 1 − Var[R − V] / Var[R] over valid tokens (population variances). 1 is perfect, ≤ 0 means the
+    critic explains nothing; NaN-free: returns 0 when Var[R] is 0."""
+    var_returns = masked_var(returns, mask)
+    if var_returns.item() == 0.0:
+        return torch.zeros((), dtype=values.dtype)
+    return 1.0 - masked_var(returns - values, mask) / var_returns
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (Wilson 1927):
+
+        centre = (p̂ + z²/2n) / (1 + z²/n),  half = z·sqrt(p̂(1−p̂)/n + z²/4n²) / (1 + z²/n).
+
+    ``n = 0`` gives the uninformative (0, 1).
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in [0, n], got {successes} of {n}")
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def repetition_rate(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> float:
+    """Share of repeated n-grams within responses: 1 − distinct/total n-grams, pooled over rows.
+
+    ``tokens``, ``mask``: (B, T). Rows shorter than ``n`` contribute nothing; 0 when there are none.
+    """
+    total = repeated = 0
+    for row, m in zip(tokens.tolist(), mask.tolist()):
+        seq = [t for t, v in zip(row, m) if v]
+        grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
+        total += len(grams)
+        repeated += len(grams) - len(set(grams))
+    return repeated / total if total else 0.0
+
+
+__all__ = ["logprobs_from_logits", "entropy_from_logits", "explained_variance", "wilson_interval",
+           "repetition_rate", "masked_mean"]
