@@ -195,6 +195,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
         default = f.default if f.default is not _MISSING else None
         if default is not None and default != "" and not isinstance(default, list):
             help_ += f" [default: {default}]"
+        help_ = help_.replace("%", "%%")  # argparse formats help strings with %
         action = "append" if f.metadata.get("repeat") else "store"
         if tp is bool:
             parser.add_argument(flag_of(key, f), dest=key, nargs="?", const="true", default=None,

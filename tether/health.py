@@ -51,6 +51,9 @@ class Band:
     failure_mode: str
     meaning: str
     warmup: bool = False  # skip the first `HealthConfig.warmup` values (the critic is still learning)
+    # (metric, low, high): judged only on rows where that metric lies in [low, high] or is absent;
+    # other rows are skipped like rows without the band's own metric
+    only_if: tuple[str, float | None, float | None] | None = None
     persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
 
     def state(self, m: float) -> str:
@@ -64,6 +67,13 @@ class Band:
                 self.alarm_high is not None and high is not None and m > high):
             return "warn"
         return "ok"
+
+    def applies(self, row: dict) -> bool:
+        if self.only_if is None:
+            return True
+        key, low, high = self.only_if
+        v = _number(row.get(key))
+        return v is None or ((low is None or v >= low) and (high is None or v <= high))
 
     def _range(self, low, high, unit: str) -> str:
         if low is not None and high is not None:
@@ -101,7 +111,8 @@ BANDS: tuple[Band, ...] = (
          "critic loss against its recent median; should fall, a jump = reward outlier or critic LR too high",
          warmup=True),
     Band("explained_variance", "value/explained_variance", "value", (0.5, None), 0.0, None, VALUE_COLLAPSE,
-         "1 − Var[R − V]/Var[R]; < 0 = the critic explains nothing", warmup=True),
+         "1 − Var[R − V]/Var[R]; < 0 = the critic explains nothing", warmup=True,
+         only_if=("value/returns_std", 0.01, None)),  # constant returns: nothing to explain
     Band("entropy", "policy/entropy", "recent", (0.8, None), 0.5, None, MODE_COLLAPSE,
          "policy entropy against its recent median; a sudden drop = the policy collapses onto few outputs"),
     Band("length_collapse", "response/length_mean", "early", (0.67, None), 0.5, None, MODE_COLLAPSE,
@@ -111,8 +122,9 @@ BANDS: tuple[Band, ...] = (
     Band("gold_drop", "eval/accuracy", "gold", (None, 0.05), None, 0.1, REWARD_HACKING,
          "held-out gold metric below its best while the reward kept rising (Goodhart)"),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
-         "clip fraction < 5% for a long stretch = the policy barely moves (LR too low? no advantage signal?)",
-         persistence="not_learning_steps"),
+         "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
+         "it barely moves (LR too low? no advantage signal?)",
+         persistence="not_learning_steps", only_if=("objective/kl", None, 0.01)),
 )
 BAND_NAMES = tuple(b.name for b in BANDS)
 REWARD_KEYS = ("eval/reward", "objective/scores_raw", "objective/scores")  # reward for the gold band
@@ -260,6 +272,8 @@ class _Tracker:
             return None
         self.seen += 1
         if self.band.warmup and self.seen <= self.config.warmup:
+            return None
+        if not self.band.applies(row):
             return None
         measure = self._measure(value, row)
         if measure is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -66,11 +66,13 @@ def sft_train(
     seed: int = 0,
     progress: bool = True,
     weight_decay: float = 0.01,
+    callback: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place on ``problems`` for ``steps`` AdamW steps (constant ``lr``, grad-norm clip 1).
 
     Batches are drawn by reshuffling the problems every epoch (seeded, without touching the global RNG).
-    Returns ``steps``, ``seconds``, ``steps_per_second``, ``final_loss`` (mean of the last ≤ 20 steps)
+    ``callback(step, loss)``, if given, runs after every step (1-based), e.g. to evaluate along the way.
+    Returns ``steps``, ``seconds`` (training only, callback time excluded), ``steps_per_second``, ``final_loss`` (mean of the last ≤ 20 steps)
     and ``losses`` (one per step).
     """
     if steps < 0 or batch_size < 1:
@@ -83,10 +85,10 @@ def sft_train(
     was_training = model.training
     model.train()
     order = torch.randperm(n, generator=gen)
-    cursor, losses = 0, []
+    cursor, losses, in_callback = 0, [], 0.0
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="sft", disable=not progress, leave=False)
-    for _ in bar:
+    for step in bar:
         if cursor + batch_size > n:  # new epoch; the tail of the old order is dropped
             order, cursor = torch.randperm(n, generator=gen), 0
         idx = order[cursor : cursor + batch_size]
@@ -102,7 +104,11 @@ def sft_train(
         optimizer.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    seconds = time.perf_counter() - start
+        if callback is not None:
+            t0 = time.perf_counter()
+            callback(step + 1, losses[-1])
+            in_callback += time.perf_counter() - t0
+    seconds = time.perf_counter() - start - in_callback
     model.train(was_training)
     tail = losses[-20:]
     return {

@@ -1,0 +1,247 @@
+"""The demo's building blocks: task, gold rule, tokenizer, policy, SFT, generation, accuracy, preference pairs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.demo import pairs as pairs_mod
+from tether.demo import sft as sft_mod
+from tether.demo.pairs import make_preference_pairs
+from tether.demo.sft import answer_loss, generate_answers, gold_accuracy, sft_tensors, sft_train
+from tether.demo.task import (
+    CHARACTERS,
+    build_policy,
+    build_tokenizer,
+    gold_reward,
+    make_problems,
+    solve,
+    split_problems,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def tiny_policy(tok, seed=0):
+    return build_policy(tok, seed, n_layer=1, n_embd=32, n_head=2)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trips_every_character(tok):
+    ids = tok(CHARACTERS, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(CHARACTERS)  # one token per character
+    assert len(set(ids)) == len(CHARACTERS)
+    assert tok.unk_token_id not in ids
+    for ch in CHARACTERS:
+        one = tok(ch, add_special_tokens=False)["input_ids"]
+        assert len(one) == 1 and tok.decode(one) == ch
+    assert tok.decode(ids) == CHARACTERS
+
+
+def test_tokenizer_special_tokens(tok):
+    specials = {tok.pad_token_id, tok.eos_token_id, tok.unk_token_id}
+    assert len(specials) == 3
+    assert tok.bos_token_id == tok.eos_token_id
+    assert tok("123+045=")["input_ids"] == tok("123+045=", add_special_tokens=False)["input_ids"]  # nothing added
+    assert tok("1é2", add_special_tokens=False)["input_ids"][1] == tok.unk_token_id
+    text_ids = tok("168", add_special_tokens=False)["input_ids"]
+    assert tok.decode(text_ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == "168"
+
+
+def test_tokenizer_padding_side_and_reload(tmp_path):
+    from transformers import AutoTokenizer
+
+    right = build_tokenizer(padding_side="right")
+    batch = right(["1", "123"], padding=True, add_special_tokens=False)["input_ids"]
+    assert batch[0] == [right.convert_tokens_to_ids("1"), right.pad_token_id, right.pad_token_id]
+    left = build_tokenizer(save_dir=tmp_path)
+    batch = left(["1", "123"], padding=True, add_special_tokens=False)["input_ids"]
+    assert batch[0] == [left.pad_token_id, left.pad_token_id, left.convert_tokens_to_ids("1")]
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again.get_vocab() == left.get_vocab()
+    assert again.padding_side == "left"
+    assert (again.pad_token_id, again.eos_token_id, again.unk_token_id) == (0, 1, 2)
+    assert again(CHARACTERS, add_special_tokens=False)["input_ids"] == left(CHARACTERS, add_special_tokens=False)["input_ids"]
+    assert again.decode(again("907+093=", add_special_tokens=False)["input_ids"]) == "907+093="
+
+
+def test_policy_config_ids_and_seeded_init(tok):
+    model = build_policy(tok, seed=3)
+    cfg = model.config
+    assert (cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id) == (0, 1, 1)
+    assert cfg.vocab_size == len(tok) and (cfg.n_layer, cfg.n_embd, cfg.n_head) == (3, 128, 4)
+    assert 0.55e6 < sum(p.numel() for p in model.parameters()) < 0.65e6  # the measured 0.6M model
+    rng = torch.get_rng_state()
+    other = build_policy(tok, seed=3)
+    assert torch.equal(torch.get_rng_state(), rng)  # seeded without touching the global RNG
+    assert torch.equal(model.transformer.wte.weight, other.transformer.wte.weight)
+    assert not torch.equal(model.transformer.wte.weight, build_policy(tok, seed=4).transformer.wte.weight)
+
+
+# ---------------------------------------------------------------- problems and the gold rule
+
+
+def test_problems_are_well_formed_deterministic_and_distinct():
+    a = make_problems(300, seed=7)
+    assert a == make_problems(300, seed=7)
+    assert a != make_problems(300, seed=8)
+    assert len({p["prompt"] for p in a}) == 300
+    for p in a:
+        x, y = p["prompt"][:3], p["prompt"][4:7]
+        assert len(p["prompt"]) == 8 and p["prompt"][3] == "+" and p["prompt"][7] == "="
+        assert p["answer"] == str(int(x) + int(y))
+        assert p["answer"] == str(int(p["answer"]))  # no leading zeros
+    assert make_problems(5, seed=1, exclude={p["prompt"] for p in make_problems(5, seed=1)}) != make_problems(5, 1)
+
+
+def test_split_is_disjoint_and_held_out_does_not_depend_on_n_train():
+    train, held = split_problems(seed=0, n_train=5000, n_eval=500)
+    assert len(train) == 5000 and len(held) == 500
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in held}
+    train2, held2 = split_problems(seed=0, n_train=200, n_eval=500)
+    assert held2 == held and train2 == split_problems(seed=0, n_train=200, n_eval=500)[0]
+    assert split_problems(seed=1, n_train=10, n_eval=500)[1] != held
+
+
+def test_gold_reward_hand_written_cases():
+    prompts = ["123+045="] * 8 + ["000+000=", "999+999="]
+    responses = ["168", "167", "168 ", " 168", "0168", "1680", "", "-168", "0", "1998"]
+    assert gold_reward(prompts, responses) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    # the prompt row's answer column is used when given (a rule sees extra columns as keyword lists)
+    assert gold_reward(["123+045="], ["168"], answer=["999"], other=["x"]) == [0.0]
+    assert gold_reward(["123+045="], ["168"], answer=[168]) == [1.0]  # a number read from JSON
+    assert solve("999+001=") == "1000"
+    with pytest.raises(ValueError):
+        gold_reward(["123+045="], ["168", "168"])
+    with pytest.raises(ValueError):
+        solve("12+45=")
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def test_sft_labels_mask_prompt_and_padding(tok):
+    probs = [{"prompt": "123+045=", "answer": "168"}, {"prompt": "999+999=", "answer": "1998"}]
+    t = sft_tensors(tok, probs)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    assert t["input_ids"].tolist() == [ids("123+045=168") + [eos, pad], ids("999+999=1998") + [eos]]
+    assert t["attention_mask"].tolist() == [[1] * 12 + [0], [1] * 13]
+    assert t["labels"].tolist() == [[-100] * 8 + ids("168") + [eos, -100], [-100] * 8 + ids("1998") + [eos]]
+
+
+def test_answer_loss_is_mean_cross_entropy_over_labelled_positions():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=gen)
+    labels = torch.tensor([[-100, -100, 3, 1, -100], [-100, 4, 0, 6, 2]])
+    terms = []
+    for b in range(2):
+        for t in range(1, 5):  # position t−1 predicts label t
+            if labels[b, t] != -100:
+                terms.append(-torch.log_softmax(logits[b, t - 1], -1)[labels[b, t]])
+    assert torch.allclose(answer_loss(logits, labels), torch.stack(terms).mean())
+    # changing the logits that predict a prompt token (label -100) leaves the loss unchanged
+    poked = logits.clone()
+    poked[0, 0] += 10.0
+    assert torch.allclose(answer_loss(poked, labels), answer_loss(logits, labels))
+
+
+def test_sft_steps_reduce_loss_and_change_every_parameter(tok):
+    model = tiny_policy(tok)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats = sft_train(model, tok, make_problems(512, seed=0), steps=40, batch_size=32, lr=3e-3, progress=False)
+    losses = stats["losses"]
+    assert len(losses) == 40 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert stats["final_loss"] == pytest.approx(sum(losses[-20:]) / 20)
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, before[name]), name
+
+
+# ---------------------------------------------------------------- generation and accuracy
+
+
+def test_generate_answers_greedy_same_alone_and_in_left_padded_batch(tok):
+    model = tiny_policy(tok, seed=1)
+    prompt = "123+045="
+    alone = generate_answers(model, tok, [prompt], max_new_tokens=6)
+    # a longer prompt in the batch forces 5 pad tokens to the left of ours
+    batch = generate_answers(model, tok, ["321+555=", "9999+9999=+12", prompt], max_new_tokens=6)
+    assert batch[2] == alone[0]
+    assert len(tok(alone[0]["response"], add_special_tokens=False)["input_ids"]) <= 6
+
+
+def test_sampling_is_repeatable_with_a_seed(tok):
+    model = tiny_policy(tok, seed=2)
+    prompts = [p["prompt"] for p in make_problems(16, seed=0)]
+    rng = torch.get_rng_state()
+    a = generate_answers(model, tok, prompts, greedy=False, temperature=1.0, seed=5)
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is left alone
+    assert a == generate_answers(model, tok, prompts, greedy=False, temperature=1.0, seed=5)
+    assert a != generate_answers(model, tok, prompts, greedy=False, temperature=1.0, seed=6)
+
+
+def test_gold_accuracy_requires_eos_and_reports_wilson(tok, monkeypatch):
+    fake = [
+        {"response": "168", "ended_with_eos": True},  # right
+        {"response": "168", "ended_with_eos": False},  # right text, cut off: wrong
+        {"response": "167", "ended_with_eos": True},  # wrong
+    ]
+    monkeypatch.setattr(sft_mod, "generate_answers", lambda *a, **k: fake)
+    probs = [{"prompt": "123+045=", "answer": "168"}] * 3
+    acc = gold_accuracy(None, tok, probs)
+    assert acc["correct"] == [1, 0, 0] and acc["n"] == 3 and acc["accuracy"] == pytest.approx(1 / 3)
+    z, n, p = 1.96, 3, 1 / 3  # Wilson score interval by hand
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert (acc["low"], acc["high"]) == (pytest.approx(centre - half), pytest.approx(centre + half))
+    assert acc["eos_rate"] == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------- preference pairs
+
+
+def test_pairing_logic_on_given_samples(tok, monkeypatch):
+    e = lambda r: {"response": r, "ended_with_eos": True}  # noqa: E731
+    cut = lambda r: {"response": r, "ended_with_eos": False}  # noqa: E731
+    samples = [
+        e("168"), e("167"), e("168"), e("167"), cut("168"), cut("1689"),  # mixed
+        e("1000"), e("1000"), e("1000"), e("1000"), e("1000"), e("1000"),  # all correct
+        e("5"), e("6"), cut("7"), e("5"), e("5"), e("5"),  # all wrong
+    ]
+    monkeypatch.setattr(pairs_mod, "generate_answers", lambda *a, **k: samples)
+    probs = [{"prompt": "123+045=", "answer": "168"}, {"prompt": "999+001=", "answer": "1000"},
+             {"prompt": "002+002=", "answer": "4"}]
+    pairs, stats = make_preference_pairs(None, tok, probs, samples_per_prompt=6, temperature=1.0, seed=0)
+    assert pairs == [
+        {"prompt": "123+045=", "chosen": "168", "rejected": "167"},
+        {"prompt": "123+045=", "chosen": "168", "rejected": "1689"},
+    ]
+    assert stats["prompts_with_both"] == 1 and stats["prompts_all_correct"] == 1 and stats["prompts_all_wrong"] == 1
+    assert stats["skipped_same_text"] == 1 and stats["n_pairs"] == 2 and stats["n_samples"] == 18
+    assert stats["sample_accuracy"] == pytest.approx(8 / 18)
+    capped, _ = make_preference_pairs(None, tok, probs, 6, 1.0, 0, max_pairs_per_prompt=1)
+    assert capped == pairs[:1]
+
+
+def test_real_samples_pair_correct_over_wrong(tok):
+    # A tiny model that has memorised four problems samples a mix of right and wrong answers at T=1.5.
+    probs = make_problems(4, seed=11)
+    model = tiny_policy(tok, seed=0)
+    sft_train(model, tok, probs, steps=60, batch_size=4, lr=1e-2, progress=False)
+    pairs, stats = make_preference_pairs(model, tok, probs, samples_per_prompt=32, temperature=1.5, seed=0,
+                                         progress=False)
+    assert stats["n_pairs"] == len(pairs) > 0 and stats["n_samples"] == 128
+    answers = {p["prompt"]: p["answer"] for p in probs}
+    for pair in pairs:
+        assert gold_reward([pair["prompt"]], [pair["chosen"]], answer=[answers[pair["prompt"]]]) == [1.0]
+        assert gold_reward([pair["prompt"]], [pair["rejected"]], answer=[answers[pair["prompt"]]]) == [0.0]
+    assert len({tuple(p.values()) for p in pairs}) == len(pairs)  # no duplicate pairs

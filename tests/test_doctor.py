@@ -1,0 +1,304 @@
+"""tether doctor: synthetic metric histories, one per failure mode plus healthy and noisy-healthy ones,
+each diagnosed with the right cause and first step; the CLI's exit codes and --json output.
+
+Each history starts from a healthy run and injects a failure from a known step; the expected first step is
+computed from the injected values and the D1 thresholds, not read back from the doctor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+import yaml
+
+from tether.cli import main
+from tether.doctor import diagnose, load_metrics
+from tether.health import HealthConfig
+
+N = 60
+
+
+def healthy_rows(n: int = N, seed: int = 0, eval_every: int = 5) -> list[dict]:
+    """A plausible healthy PPO run: KL creeping up inside its band, critic learning, stable length."""
+    rng = random.Random(seed)
+
+    def jitter(x: float, rel: float) -> float:
+        return x * (1.0 + rng.gauss(0.0, rel))
+
+    rows = []
+    for s in range(1, n + 1):
+        score = 0.2 + 0.6 * s / n + rng.gauss(0, 0.03)
+        row = {
+            "step": s,
+            "objective/scores": score, "objective/scores_raw": score, "objective/rlhf_reward": score - 0.01,
+            "objective/kl": jitter(0.005 + 0.05 * s / n, 0.1), "objective/kl_max": jitter(0.3 + 0.3 * s / n, 0.1),
+            "objective/kl_sequence": 0.2, "objective/kl_coef": 0.05,
+            "policy/loss": rng.gauss(0, 0.05), "policy/clip_fraction": jitter(0.1, 0.2),
+            "policy/approx_kl": jitter(0.005, 0.2), "policy/ratio_mean": 1.0, "policy/ratio_std": jitter(0.04, 0.15),
+            "policy/ratio_max": jitter(1.3, 0.05), "policy/entropy": jitter(2.0 * (1 - 0.004 * s), 0.03),
+            "policy/grad_norm": jitter(0.5, 0.1), "policy/lr": 1e-5,
+            "value/loss": jitter(math.exp(-s / 30) + 0.1, 0.1), "value/clip_fraction": 0.05,
+            "value/explained_variance": min(0.9, 0.1 + 0.05 * s) + rng.gauss(0, 0.02),
+            "value/mean": 0.3, "value/std": 0.2, "value/grad_norm": 0.4, "value/lr": 5e-5,
+            "response/length_mean": jitter(20.0, 0.03), "response/length_min": 12, "response/length_max": 31,
+            "response/truncated_fraction": 0.01, "response/repetition": 0.02,
+            "perf/seconds_generate": 1.0, "perf/seconds_score": 0.3, "perf/seconds_train": 1.5,
+            "perf/seconds_step": 2.9, "perf/tokens_per_second": 400.0, "perf/rollout_share": 0.34,
+            "ppo/epochs_run": 4, "ppo/early_stopped": 0,
+        }
+        if s % eval_every == 0:
+            row.update({"eval/reward": score, "eval/accuracy": 0.3 + 0.3 * s / n + rng.gauss(0, 0.01),
+                        "eval/n": 200})
+        rows.append(row)
+    return rows
+
+
+def first_step(rows, key, pred) -> int:
+    return next(r["step"] for r in rows if key in r and pred(r[key]))
+
+
+def test_healthy_run_is_healthy():
+    d = diagnose(healthy_rows())
+    assert d.healthy and d.failure_mode is None and d.cause_metric is None and d.first_step is None
+    assert d.prescriptions == [] and d.unchecked == []
+
+
+def test_noisy_single_step_spikes_need_persistence():
+    rows = healthy_rows(seed=1)
+    rows[19]["policy/ratio_std"] = 0.5       # step 20, one step above the 0.3 alarm
+    rows[29]["objective/kl_max"] = 8.0       # step 30, above 5
+    rows[39]["value/loss"] *= 8              # step 40, ×8 its recent median
+    rows[44]["policy/entropy"] *= 0.3        # step 45, a one-step dip
+    assert diagnose(rows).healthy  # default persistence 2
+    d = diagnose(rows, HealthConfig(persistence=1))
+    assert not d.healthy
+    assert (d.cause_metric, d.first_step, d.failure_mode) == ("policy/ratio_std", 20, "ratio out of control")
+    assert [c["key"] for c in d.evidence["chain"]] == ["objective/kl_max", "value/loss", "policy/entropy"]
+
+
+def test_kl_explosion():
+    rows = healthy_rows()
+    for r in rows[24:]:  # from step 25
+        j = r["step"] - 25
+        r["objective/kl"] = 0.08 * 1.35 ** j
+        r["objective/kl_max"] = 0.8 * 1.35 ** j
+    d = diagnose(rows)
+    expected = first_step(rows, "objective/kl", lambda v: v > 0.1)
+    assert expected == 26
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("KL explosion", "objective/kl", expected)
+    assert d.alarm_step == first_step(rows, "objective/kl", lambda v: v > 0.5)
+    assert d.prescriptions[0]["key"] == "kl.coef"
+    assert [p["key"] for p in d.prescriptions] == [
+        "kl.coef", "optim.lr", "ppo.epochs", "ppo.clip_range", "kl.controller", "health.rollback"]
+
+
+def test_ratio_out_of_control():
+    rows = healthy_rows()
+    for r in rows[14:]:
+        j = r["step"] - 15
+        r["policy/ratio_std"] = 0.04 * 1.5 ** j
+        r["policy/clip_fraction"] = min(0.95, 0.1 * 1.3 ** j)
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric) == ("ratio out of control", "policy/ratio_std")
+    assert d.first_step == first_step(rows, "policy/ratio_std", lambda v: v > 0.1)
+    assert d.prescriptions[0]["key"] == "ppo.epochs"
+
+
+def test_chain_is_attributed_to_the_ratio():
+    """ratio std leaves its band first (step 10) but alarms after KL does (14 vs 13): the cause is the ratio."""
+    rows = healthy_rows()
+    for r in rows:
+        s = r["step"]
+        if s >= 10:
+            r["policy/ratio_std"] = 0.11 + 0.06 * (s - 10)
+        if s >= 12:
+            r["objective/kl"] = 0.2 * 3 ** (s - 12)
+        if s >= 16:
+            r["value/loss"] = 10.0
+    d = diagnose(rows)
+    assert (d.cause_metric, d.first_step, d.alarm_step) == ("policy/ratio_std", 10, 14)
+    chain = {c["key"]: c for c in d.evidence["chain"]}
+    assert chain["objective/kl"]["onset_step"] == 12 and chain["objective/kl"]["alarm_step"] == 13
+    assert chain["value/loss"]["onset_step"] == 16
+    assert [c["key"] for c in d.evidence["chain"]][:2] == ["objective/kl", "value/loss"]
+
+
+def test_value_collapse():
+    rows = healthy_rows()
+    for r in rows[29:]:
+        r["value/loss"] *= 10
+        if r["step"] > 30:
+            r["value/explained_variance"] = -0.5
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("value collapse", "value/loss", 30)
+    assert d.evidence["chain"][0]["key"] == "value/explained_variance"
+    assert d.prescriptions[0]["key"] == "ppo.clip_range_value"
+
+
+def test_mode_collapse_entropy():
+    rows = healthy_rows()
+    for r in rows[24:]:
+        r["policy/entropy"] *= 0.3
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("mode collapse", "policy/entropy", 25)
+
+
+def test_reward_hacking_length_surge():
+    rows = healthy_rows()
+    for r in rows[29:]:
+        r["response/length_mean"] = 20.0 * (1 + 0.15 * (r["step"] - 30))
+    base = statistics.median(r["response/length_mean"] for r in rows[:5])
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric) == ("reward hacking", "response/length_mean")
+    assert d.first_step == first_step(rows, "response/length_mean", lambda v: v / base > 1.5)
+
+
+def test_reward_hacking_gold_metric_falls_while_reward_rises():
+    rows = healthy_rows()
+    evals = [r for r in rows if "eval/accuracy" in r]
+    for i, r in enumerate(evals):
+        r["eval/reward"] = 0.1 * i  # keeps rising
+        if r["step"] > 30:
+            r["eval/accuracy"] = 0.5 - 0.04 * (r["step"] - 30) / 5  # 0.46, 0.42, 0.38, ...
+        elif r["step"] > 20:
+            r["eval/accuracy"] = 0.5
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric) == ("reward hacking", "eval/accuracy")
+    assert d.first_step == 40  # first eval more than 0.05 below the best (0.5 - 0.42 = 0.08)
+    assert d.alarm_step == 45  # first eval more than 0.1 below the best (0.12)
+
+
+def test_gold_metric_falling_with_reward_falling_is_not_hacking():
+    rows = healthy_rows()
+    for r in rows:
+        if "eval/accuracy" in r and r["step"] > 30:
+            r["eval/accuracy"] = 0.2
+            r["eval/reward"] = -1.0
+    assert diagnose(rows).healthy
+
+
+def test_not_learning_only_when_nothing_else_fails():
+    rows = healthy_rows()
+    for r in rows:
+        r["policy/clip_fraction"] = 0.02
+        r["objective/kl"] = 0.001
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("not learning", "policy/clip_fraction", 1)
+    assert d.prescriptions[0]["key"] == "optim.lr"
+    for r in rows[24:]:
+        r["policy/entropy"] *= 0.3
+    assert diagnose(rows).failure_mode == "mode collapse"
+    moving = [dict(r, **{"policy/clip_fraction": 0.02}) for r in healthy_rows()]
+    assert diagnose(moving).healthy  # KL to the reference grows past 0.01: slow, but learning
+    short = [dict(r, **{"policy/clip_fraction": 0.02, "objective/kl": 0.001}) for r in healthy_rows(n=15)]
+    assert diagnose(short).healthy  # 15 low steps < 20 (health.not_learning_steps)
+
+
+def test_missing_keys_tolerated():
+    rows = [{k: v for k, v in r.items() if not k.startswith(("value/", "eval/"))} for r in healthy_rows()]
+    d = diagnose(rows)
+    assert d.healthy
+    assert set(d.unchecked) == {"value_loss", "explained_variance", "gold_drop"}
+
+
+def test_nan_metric_is_an_alarm():
+    rows = healthy_rows()
+    for r in rows[40:]:
+        r["objective/kl"] = float("nan")
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("KL explosion", "objective/kl", 41)
+    json.dumps(d.to_dict(), allow_nan=False)  # NaN values are reported as strings
+
+
+def test_prescription_keys_are_run_config_keys():
+    from tether.config import leaf_fields
+    from tether.doctor import PRESCRIPTIONS
+    from tether.ppo_config import RunConfig
+
+    keys = {key for key, _, _ in leaf_fields(RunConfig)}
+    used = {rx.key for rxs in PRESCRIPTIONS.values() for rx in rxs if rx.key}
+    assert used - keys == set()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def write_run(tmp_path, rows, name="run", config=None):
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if config is not None:
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return run
+
+
+def test_cli_healthy_exit_0(tmp_path, capsys):
+    run = write_run(tmp_path, healthy_rows())
+    assert main(["doctor", str(run)]) == 0
+    assert "HEALTHY" in capsys.readouterr().out
+
+
+def test_cli_unhealthy_exit_1_json(tmp_path, capsys):
+    rows = healthy_rows()
+    for r in rows[24:]:
+        r["objective/kl"] = 0.08 * 1.35 ** (r["step"] - 25)
+    run = write_run(tmp_path, rows, config={"kl": {"coef": 0.05, "controller": "fixed"},
+                                            "optim": {"lr": 1e-5}, "ppo": {"epochs": 4}})
+    assert main(["doctor", str(run), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert {"healthy", "failure_mode", "cause_metric", "first_step", "evidence", "prescriptions"} <= set(out)
+    assert out["healthy"] is False and out["cause_metric"] == "objective/kl" and out["first_step"] == 26
+    beta = out["prescriptions"][0]
+    assert (beta["key"], beta["current"], beta["suggestion"]) == ("kl.coef", 0.05, "0.1–0.2")
+    assert out["prescriptions"][2]["suggestion"] == "2"  # ppo.epochs 4 -> 2
+    assert main(["doctor", str(run)]) == 1
+    text = capsys.readouterr().out
+    assert "UNHEALTHY: KL explosion" in text and "[kl.coef (now 0.05) -> 0.1–0.2]" in text
+
+
+def test_cli_health_settings_from_run_config_and_flags(tmp_path, capsys):
+    rows = healthy_rows()
+    rows[19]["policy/ratio_std"] = 0.5
+    run = write_run(tmp_path, rows, config={"health": {"persistence": 1}})
+    assert main(["doctor", str(run)]) == 1
+    assert main(["doctor", str(run), "--persistence", "2"]) == 0
+    assert main(["doctor", str(run), "--band", "ratio_std=:0.1::0.6"]) == 0
+    assert main(["doctor", str(run), "--band", "nonsense=1:2:3:4"]) == 2
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_cli_unreadable_input_exit_2(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path / "nope")]) == 2
+    assert "run directory not found" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["doctor", str(empty)]) == 2
+    assert "metrics.jsonl: not found" in capsys.readouterr().err
+    run = write_run(tmp_path, healthy_rows(n=3))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "objective/kl": 0.0\n')
+    assert main(["doctor", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("tether doctor: error: ") and "metrics.jsonl: line 4: invalid JSON" in err
+
+
+def test_load_metrics_skips_blank_lines(tmp_path):
+    run = write_run(tmp_path, healthy_rows(n=3))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n   \n")
+    assert [r["step"] for r in load_metrics(run)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", ["[1, 2]\n", "\n"])
+def test_load_metrics_rejects_non_objects_and_empty(tmp_path, bad):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(bad)
+    from tether.errors import TetherError
+    with pytest.raises(TetherError, match="metrics.jsonl"):
+        load_metrics(run)

@@ -1,0 +1,198 @@
+"""PPO trainer on tiny models: ratio = 1 on the first minibatch, reference = base with the adapter
+disabled, masks and bootstrap, frozen advantages, parameter updates, early stop, adaptive KL, resume,
+a toy reward that rises."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import tether.ppo as ppo_module
+from tether.ppo import ppo_step
+from tether.ppo_setup import setup
+from tether.ppo_train import train
+from tether.rollout import forward_response, response_mask_after_eos
+
+from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ppo")
+    return make_policy_dir(root), make_prompts_file(root)
+
+
+def test_response_mask_after_first_eos():
+    eos = 1
+    response = torch.tensor([[5, 6, 1, 7, 1], [5, 1, 1, 1, 1], [5, 6, 7, 8, 9], [1, 0, 0, 0, 0]])
+    mask, ended = response_mask_after_eos(response, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert ended.tolist() == [True, True, False, True]
+
+
+def test_first_minibatch_ratio_is_exactly_one(files, tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, *files, ppo__mini_batches=4)
+    c = setup(cfg)
+    seen = []
+    original = ppo_module.ppo_policy_loss
+
+    def spy(logprobs, logprobs_old, advantages, mask, clip_range):
+        loss, stats = original(logprobs, logprobs_old, advantages, mask, clip_range)
+        seen.append(stats)
+        return loss, stats
+
+    monkeypatch.setattr(ppo_module, "ppo_policy_loss", spy)
+    ppo_step(c, cfg, 1)
+    assert seen[0]["ratio_mean"].item() == 1.0
+    assert seen[0]["ratio_max"].item() == 1.0
+    assert seen[0]["ratio_std"].item() == 0.0
+    assert seen[0]["clip_fraction"].item() == 0.0
+    assert any(s["ratio_std"].item() > 0 for s in seen[1:])  # later minibatches see an updated policy
+
+
+def test_lora_reference_is_the_base_model_with_adapter_disabled(files, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(tmp_path, *files, model__lora_r=4, optim__lr=1e-2)
+    c = setup(cfg)
+    assert c.policy.reference is None  # no second copy in memory
+    ppo_step(c, cfg, 1)
+    from tether.ppo import rollout_batch
+
+    batch, _ = rollout_batch(c, cfg, c.prompts.next_batch())
+    with torch.no_grad():
+        with c.policy.reference_model(c.policy_model) as ref:
+            logprobs_ref, _, _ = forward_response(ref, batch, 1.0)
+        logprobs_policy, _, _ = forward_response(c.policy_model, batch, 1.0)
+        base = AutoModelForCausalLM.from_pretrained(files[0]).eval()
+        logprobs_base, _, _ = forward_response(base, batch, 1.0)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(logprobs_ref[mask], logprobs_base[mask], rtol=0, atol=1e-5)
+    assert (logprobs_policy[mask] - logprobs_base[mask]).abs().max() > 1e-4  # the adapter did learn
+
+
+def test_truncation_bootstrap_and_frozen_advantages(files, tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, *files, generation__max_new_tokens=3)
+    c = setup(cfg)
+    captured = {}
+    original_gae, original_epochs = ppo_module.gae, ppo_module.ppo_epochs
+
+    def spy_gae(rewards, values, mask, gamma, lam, last_values=None):
+        captured["last_values"] = last_values.clone()
+        captured["mask"] = mask.clone()
+        return original_gae(rewards, values, mask, gamma, lam, last_values)
+
+    def spy_epochs(c_, cfg_, batch, step):
+        frozen = {k: getattr(batch, k).clone() for k in ("advantages", "returns", "logprobs_old", "values_old")}
+        out = original_epochs(c_, cfg_, batch, step)
+        for k, v in frozen.items():
+            assert torch.equal(getattr(batch, k), v), f"{k} changed during the epoch loop"
+        captured["batch"] = batch
+        return out
+
+    monkeypatch.setattr(ppo_module, "gae", spy_gae)
+    monkeypatch.setattr(ppo_module, "ppo_epochs", spy_epochs)
+    ppo_step(c, cfg, 1)
+    batch = captured["batch"]
+    truncated = ~batch.ended_with_eos
+    assert truncated.any(), "with 3 new tokens a random policy must truncate some rows"
+    # Bootstrap: V(s_T) for truncated rows, exactly 0 for rows that ended with EOS.
+    assert (captured["last_values"][~truncated] == 0).all()
+    assert (captured["last_values"][truncated] != 0).all()
+    assert (batch.advantages[batch.response_mask == 0] == 0).all()
+
+
+def _trainable_snapshot(c):
+    return {n: p.detach().clone() for n, p in c.unwrapped_policy.named_parameters()}, \
+           {n: p.detach().clone() for n, p in c.unwrapped_critic.named_parameters()}
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_every_trainable_parameter_changes_and_no_frozen_one(files, tmp_path, lora_r):
+    cfg = tiny_config(tmp_path, *files, model__lora_r=lora_r, critic__kind="separate")
+    c = setup(cfg)
+    policy_before, critic_before = _trainable_snapshot(c)
+    ref_before = {n: p.detach().clone() for n, p in c.policy.reference.named_parameters()} \
+        if c.policy.reference is not None else {}
+    ppo_step(c, cfg, 1)
+    for name, p in c.unwrapped_policy.named_parameters():
+        changed = not torch.equal(p.detach(), policy_before[name])
+        assert changed == p.requires_grad, f"{name}: requires_grad={p.requires_grad} changed={changed}"
+    for name, p in c.unwrapped_critic.named_parameters():
+        assert not torch.equal(p.detach(), critic_before[name]), f"critic {name} did not change"
+    for name, p in (c.policy.reference.named_parameters() if c.policy.reference is not None else []):
+        assert torch.equal(p, ref_before[name]), f"reference {name} changed"
+
+
+def test_critic_warmup_updates_only_the_critic(files, tmp_path):
+    cfg = tiny_config(tmp_path, *files, critic__warmup_steps=1)
+    c = setup(cfg)
+    policy_before, critic_before = _trainable_snapshot(c)
+    metrics = ppo_step(c, cfg, 1)
+    assert all(torch.equal(p.detach(), policy_before[n]) for n, p in c.unwrapped_policy.named_parameters())
+    assert any(not torch.equal(p.detach(), critic_before[n]) for n, p in c.unwrapped_critic.named_parameters())
+    assert "policy/loss" not in metrics and "value/loss" in metrics
+
+
+def test_kl_early_stop_fires_with_a_tiny_target(files, tmp_path):
+    cfg = tiny_config(tmp_path, *files, kl__target=1e-12, ppo__epochs=4)
+    c = setup(cfg)
+    metrics = ppo_step(c, cfg, 1)
+    assert metrics["ppo/epochs_run"] == 1 and metrics["ppo/early_stopped"] == 1.0
+    cfg2 = tiny_config(tmp_path, *files, kl__target=1e-12, ppo__epochs=4, ppo__early_stop=False)
+    assert ppo_step(setup(cfg2), cfg2, 1)["ppo/epochs_run"] == 4
+
+
+def test_adaptive_controller_raises_beta_when_kl_exceeds_target(files, tmp_path):
+    cfg = tiny_config(tmp_path, *files, kl__controller="adaptive", kl__target=1e-9, kl__estimator="k3",
+                      steps=3, optim__lr=1e-2)
+    run = train(cfg)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    betas = [r["objective/kl_coef"] for r in rows]
+    kls = [r["objective/kl"] for r in rows]
+    assert betas[0] == cfg.kl.coef
+    # Step 1 samples from π = π_ref (KL 0, β halves); afterwards the KL exceeds the tiny target.
+    for i in range(len(rows) - 1):
+        if kls[i] > 1.5 * cfg.kl.target:
+            assert betas[i + 1] == pytest.approx(2 * betas[i])
+        elif kls[i] < cfg.kl.target / 1.5:
+            assert betas[i + 1] == pytest.approx(betas[i] / 2)
+    assert any(b2 > b1 for b1, b2 in zip(betas, betas[1:])), betas
+
+
+def _rows(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_resume_equals_uninterrupted_run(files, tmp_path):
+    from safetensors.torch import load_file
+
+    straight = tiny_config(tmp_path / "a", *files, steps=4, save_every=2, model__lora_r=4, eval__every=2,
+                           eval__n=8, reward__normalize="running", data__eval_fraction=0.25)
+    train(straight)
+    first = tiny_config(tmp_path / "b", *files, steps=2, save_every=2, model__lora_r=4, eval__every=2,
+                        eval__n=8, reward__normalize="running", data__eval_fraction=0.25)
+    train(first)
+    resumed = copy.deepcopy(first)
+    resumed.steps = 4
+    train(resumed, resume=True)
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    rows_a, rows_b = _rows(a), _rows(b)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    assert rows_a == rows_b
+    wa, wb = load_file(str(a / "policy" / "model.safetensors")), load_file(str(b / "policy" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert (a / "samples" / "step_4.jsonl").read_text() == (b / "samples" / "step_4.jsonl").read_text()
+
+
+def test_toy_reward_rises_with_kl_tether(files, tmp_path):
+    cfg = tiny_config(tmp_path, *files, steps=20, batch_size=16, ppo__mini_batches=2, optim__lr=3e-3,
+                      kl__coef=0.05, generation__max_new_tokens=8, reward__sources=["tether.rules:char_share:char=7"])
+    run = train(cfg)
+    rows = _rows(run)
+    early = sum(r["objective/scores_raw"] for r in rows[:4]) / 4
+    late = sum(r["objective/scores_raw"] for r in rows[-4:]) / 4
+    assert late > early + 0.1, (early, late)
+    assert max(r["objective/kl"] for r in rows) < 2.0  # bounded per-token KL to the reference

@@ -1,0 +1,102 @@
+"""Checkpoints of a PPO run (B14), written atomically: a temporary folder renamed into place, so the
+newest complete checkpoint is always loadable and a crash loses at most the work since it.
+
+A checkpoint ``DIR/checkpoints/step_000K/`` holds ``policy/`` (the LoRA adapter, or the full model,
+saved by ``save_pretrained`` in safetensors), ``critic.safetensors``, and ``trainer_state.pt``
+(optimisers, schedulers, KL controller, reward normaliser, RNG states, data position, step), read back
+with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PREFIX = "step_"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{PREFIX}{step:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary folders are never listed)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+                  and (p / "trainer_state.pt").is_file())
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_dir(target: Path, write) -> Path:
+    """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``target`` (replacing an older one)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = target.parent / f".old-{target.name}-{os.getpid()}"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_state: dict, keep: int) -> Path:
+    """Write checkpoint ``step``; keep the ``keep`` newest."""
+
+    def write(tmp: Path):
+        policy_model.save_pretrained(tmp / "policy", safe_serialization=True)
+        save_file({k: v.detach().contiguous() for k, v in critic.state_dict().items()},
+                  str(tmp / "critic.safetensors"))
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+
+    path = atomic_dir(checkpoint_dir(run_dir, step), write)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(path: Path, policy_model, critic) -> dict:
+    """Restore weights in place and return the trainer state of checkpoint ``path``."""
+    policy_dir = Path(path) / "policy"
+    if hasattr(policy_model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy_model, load_file(str(policy_dir / "adapter_model.safetensors")))
+    else:
+        state = {}
+        for f in sorted(policy_dir.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        missing, unexpected = policy_model.load_state_dict(state, strict=False)
+        tied = set(getattr(policy_model, "_tied_weights_keys", None) or [])
+        if unexpected or any(k not in tied and not k.endswith("lm_head.weight") for k in missing):
+            raise RuntimeError(f"{policy_dir}: checkpoint does not match the policy "
+                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    critic.load_state_dict(load_file(str(Path(path) / "critic.safetensors")))
+    return torch.load(Path(path) / "trainer_state.pt", weights_only=True)

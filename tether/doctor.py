@@ -1,0 +1,320 @@
+"""``tether doctor RUN_DIR``: read a PPO run's metrics, find the cause, name the failure mode, prescribe (D2).
+
+The cause is the first metric, in time, to leave its healthy band on the way to an alarm; the bands that
+alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6). The rules are
+:mod:`tether.health`'s, replayed over ``metrics.jsonl`` by the same :class:`~tether.health.HealthMonitor`
+that raises live alerts. Prescriptions come from reference §D (D.2–D.5), in priority order, each with the
+config key to change and, when the run's ``config.yaml`` has it, the current value and a suggestion.
+
+Exit code: 0 healthy, 1 unhealthy, 2 unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from tether.config import config_from_dict
+from tether.errors import TetherError
+from tether.health import (BANDS, KL_EXPLOSION, MODE_COLLAPSE, NOT_LEARNING, RATIO, REWARD_HACKING,
+                           VALUE_COLLAPSE, Alert, HealthConfig, HealthMonitor)
+
+
+def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
+    def suggest(current):
+        if isinstance(current, bool) or not isinstance(current, (int, float)) or current == 0:
+            return None
+        return f"{current * lo:.3g}" + (f"–{current * hi:.3g}" if hi is not None else "")
+    return suggest
+
+
+def _fewer_epochs(current):
+    return f"{max(1, int(current) // 2)}" if isinstance(current, int) and current > 1 else None
+
+
+def _beta(current):
+    if isinstance(current, (int, float)) and current == 0:
+        return "0.05–0.2 (β = 0: the tether is off)"
+    return _scaled(2, 4)(current)
+
+
+@dataclass(frozen=True)
+class Rx:
+    """One prescription: what to do, the config key, and a suggested value given the current one."""
+
+    action: str
+    key: str | None
+    suggest: Callable[[Any], str | None] = lambda current: None
+
+
+# Reference §D, in its priority order. Config keys are those of tether.ppo_config.RunConfig.
+PRESCRIPTIONS: dict[str, list[Rx]] = {
+    KL_EXPLOSION: [  # D.2
+        Rx("raise β, the KL coefficient (reference: 0.05 → 0.1–0.2)", "kl.coef", _beta),
+        Rx("lower the actor learning rate (reference: 1e-6 → 5e-7)", "optim.lr", _scaled(0.5)),
+        Rx("fewer PPO epochs per batch (4 → 1–2)", "ppo.epochs", _fewer_epochs),
+        Rx("smaller clip range ε (0.2 → 0.1)", "ppo.clip_range", _scaled(0.5)),
+        Rx("adaptive KL controller: β doubles when KL > 1.5 × target", "kl.controller", lambda c: "adaptive"),
+        Rx("roll back to the last healthy checkpoint and rerun with the settings above "
+           "(PPO rarely comes back once it diverges)", "health.rollback", lambda c: "true"),
+    ],
+    RATIO: [  # D.5, and D.6: ratio.std abnormal in the first steps -> suspect the LR
+        Rx("fewer PPO epochs per batch (4 → 2 → 1): the last epochs are the most off-policy", "ppo.epochs",
+           _fewer_epochs),
+        Rx("larger minibatches: fewer minibatches, so fewer gradient steps per epoch", "ppo.mini_batches",
+           _fewer_epochs),
+        Rx("early-stop the epoch loop when approx KL to π_old > early_stop_factor × kl.target",
+           "ppo.early_stop", lambda c: "true" if c is not True else None),
+        Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
+    ],
+    VALUE_COLLAPSE: [  # D.4
+        Rx("clip the value update (ε_v = 0.2)", "ppo.clip_range_value", lambda c: "0.2" if not c else None),
+        Rx("lower the critic learning rate", "optim.critic_lr", _scaled(0.5)),
+        Rx("clip or normalise rewards: r ∈ [−5, 5] (reward.clip) or z-score (reward.normalize)", "reward.clip",
+           lambda c: "5" if not c or c > 5 else None),
+        Rx("pre-train the critic for a few steps before PPO (critic warm-up)", "critic.warmup_steps",
+           lambda c: "10" if not c else None),
+    ],
+    REWARD_HACKING: [  # D.3
+        Rx("keep (or raise) the per-token KL penalty: the first line of defence", "kl.coef", _beta),
+        Rx("length penalty r' = r − α·len", "reward.length_penalty", lambda c: "0.01" if not c else None),
+        Rx("use an ensemble of 3–5 reward models (several reward.sources), combined by min",
+           "reward.ensemble", lambda c: "min" if c != "min" else None),
+        Rx("refresh the reward model on the policy's current outputs (online RM refresh, `tether train-rm`)",
+           None),
+        Rx("iterative / online DPO on fresh preference data", None),
+    ],
+    MODE_COLLAPSE: [  # D.2 (entropy collapse) and D.6 (end of the chain)
+        Rx("raise β, the KL coefficient, to hold the policy near the reference", "kl.coef", _beta),
+        Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
+        Rx("add an entropy bonus c2", "ppo.entropy_coef", lambda c: "0.01" if not c else None),
+        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
+        Rx("roll back to the last healthy checkpoint", "health.rollback", lambda c: "true"),
+    ],
+    NOT_LEARNING: [  # D.5: clip fraction < 5%
+        Rx("raise the actor learning rate", "optim.lr", _scaled(2, 10)),
+        Rx("check the advantage signal: do scores vary within a batch? (objective/scores, reward "
+           "normalisation)", "reward.normalize", lambda c: "batch" if c == "none" else None),
+        Rx("more PPO epochs per batch", "ppo.epochs", lambda c: f"{c + 1}" if isinstance(c, int) else None),
+    ],
+}
+
+
+@dataclass
+class Diagnosis:
+    """The doctor's verdict on one run."""
+
+    healthy: bool
+    failure_mode: str | None
+    cause_metric: str | None  # a key of metrics.jsonl
+    cause_band: str | None  # a name in tether.health.BANDS
+    first_step: int | None  # the step the cause left its healthy band
+    alarm_step: int | None  # the first step of its alarm
+    evidence: dict = field(default_factory=dict)
+    prescriptions: list[dict] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)  # bands whose metric never appears
+    n_steps: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        if self.healthy:
+            return f"healthy ({self.n_steps} steps, no band in alarm)"
+        return (f"{self.failure_mode}: {self.cause_metric} left its healthy band at step {self.first_step}"
+                f" (alarm at step {self.alarm_step})")
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``RUN_DIR/metrics.jsonl`` (blank lines skipped); one-line errors name file and line."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise TetherError(f"{run_dir}: run directory not found")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise TetherError(f"{path}: not found (is {run_dir} a `tether ppo` run directory?)")
+    rows = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TetherError(f"{path}: line {n}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise TetherError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
+            # a row without a step is placed after the previous one
+            if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+                row["step"] = rows[-1]["step"] + 1 if rows else 1
+            rows.append(row)
+    if not rows:
+        raise TetherError(f"{path}: no metric rows")
+    return rows
+
+
+def load_run_config(run_dir: str | Path) -> dict:
+    """The run's resolved ``config.yaml`` as a dict ({} when absent)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise TetherError(f"{path}: unreadable YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise TetherError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def health_config_from_run(run_config: dict) -> HealthConfig:
+    """The ``health`` section of a run's config (defaults where absent)."""
+    section = run_config.get("health") or {}
+    return config_from_dict(HealthConfig, section, where="config.yaml health") if section else HealthConfig()
+
+
+def config_value(run_config: dict, key: str):
+    """The value at dotted ``key`` (e.g. ``kl.coef``) of a nested config dict, None when absent."""
+    node: Any = run_config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _point(p) -> dict:
+    return {"step": p.step, "value": _clean(p.value), "measure": _clean(p.measure), "state": p.state}
+
+
+def _clean(x: float):
+    return x if math.isfinite(x) else str(x)  # JSON has no NaN/inf
+
+
+def _evidence(alert: Alert, monitor: HealthMonitor, others: list[Alert]) -> dict:
+    b = alert.band
+    trace = monitor.trace(b.name)
+    onset = next(p for p in trace if p.step == alert.onset_step)
+    alarm = next(p for p in trace if p.step == alert.alarm_step)
+    sign = 1.0 if b.alarm_high is not None else -1.0
+    peak = max(trace, key=lambda p: sign * p.measure if math.isfinite(p.measure) else math.inf)
+    i0 = max(0, trace.index(onset) - 3)
+    i1 = trace.index(alarm) + 4
+    return {
+        "band": b.name, "key": b.key, "measure": b.measure, "meaning": b.meaning,
+        "healthy": b.healthy_text(), "alarm": b.alarm_text(),
+        "onset": _point(onset), "first_alarm": _point(alarm), "peak": _point(peak),
+        "series": [_point(p) for p in trace[i0:i1]],
+        "chain": [{"band": a.band.name, "key": a.band.key, "failure_mode": a.failure_mode,
+                   "onset_step": a.onset_step, "alarm_step": a.alarm_step} for a in others],
+    }
+
+
+def _prescribe(mode: str, run_config: dict) -> list[dict]:
+    out = []
+    for i, rx in enumerate(PRESCRIPTIONS[mode], 1):
+        current = config_value(run_config, rx.key) if rx.key else None
+        out.append({"priority": i, "action": rx.action, "key": rx.key, "current": current,
+                    "suggestion": rx.suggest(current) if rx.key else None})
+    return out
+
+
+def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config: dict | None = None
+             ) -> Diagnosis:
+    """Replay ``rows`` (metrics.jsonl) through the health monitor and name the cause.
+
+    Cause = the alarmed band with the earliest onset (ties: the order of the D.6 chain); "not learning"
+    is named only when nothing else alarmed. ``run_config`` (the run's config.yaml) fills in current values.
+    """
+    monitor = HealthMonitor(config)
+    for row in rows:
+        monitor.update(int(row["step"]), row)
+    present = {k for row in rows for k in row}
+    unchecked = [b.name for b in monitor.bands if b.key not in present]
+    alerts = monitor.alerts()
+    failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
+    if not failures:
+        return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows))
+    cause, rest = failures[0], failures[1:]
+    return Diagnosis(
+        healthy=False, failure_mode=cause.failure_mode, cause_metric=cause.band.key, cause_band=cause.band.name,
+        first_step=cause.onset_step, alarm_step=cause.alarm_step,
+        evidence=_evidence(cause, monitor, rest),
+        prescriptions=_prescribe(cause.failure_mode, run_config or {}),
+        unchecked=unchecked, n_steps=len(rows))
+
+
+def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Diagnosis:
+    """Load a run directory and diagnose it, with the health settings of its config unless given."""
+    run_config = load_run_config(run_dir)
+    rows = load_metrics(run_dir)
+    return diagnose(rows, config or health_config_from_run(run_config), run_config=run_config)
+
+
+def _fmt(x) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
+    """The doctor's verdict as plain text (what `tether doctor` prints)."""
+    head = f"{run_dir}: " if run_dir else ""
+    if d.healthy:
+        lines = [f"{head}HEALTHY: no band reached its alarm in {d.n_steps} steps"]
+    else:
+        e = d.evidence
+        unit = "" if e["measure"] == "value" else f" ({e['measure']} measure)"
+        lines = [f"{head}UNHEALTHY: {d.failure_mode}",
+                 f"cause: {d.cause_metric}{unit} left its healthy band ({e['healthy']}) at step {d.first_step}"
+                 f" ({_fmt(e['onset']['measure'])}), alarm ({e['alarm']}) from step {d.alarm_step}"
+                 f" ({_fmt(e['first_alarm']['measure'])}); peak {_fmt(e['peak']['measure'])} at step "
+                 f"{e['peak']['step']}",
+                 f"  meaning: {e['meaning']}",
+                 "  evidence: " + ", ".join(f"step {p['step']}: {_fmt(p['measure'])} {p['state']}"
+                                            for p in e["series"])]
+        if e["chain"]:
+            lines.append("what followed (symptoms, in order):")
+            lines += [f"  step {c['onset_step']:>5}  {c['key']:<28} {c['failure_mode']} (alarm at step "
+                      f"{c['alarm_step']})" for c in e["chain"]]
+        lines.append("prescriptions (in priority order):")
+        for p in d.prescriptions:
+            key = ""
+            if p["key"]:
+                now = "" if p["current"] is None else f" (now {p['current']})"
+                key = f"  [{p['key']}{now}" + (f" -> {p['suggestion']}" if p["suggestion"] else "") + "]"
+            lines.append(f"  {p['priority']}. {p['action']}{key}")
+    if d.unchecked:
+        lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a `tether ppo` run directory (holds metrics.jsonl)")
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as one JSON object")
+    parser.add_argument("--persistence", type=int, default=None, metavar="N",
+                        help="steps a metric must stay in alarm to count [default: the run's health config, 2]")
+    parser.add_argument("--band", action="append", default=[], metavar="NAME=LOW:HIGH:ALARM_LOW:ALARM_HIGH",
+                        help=f"override a health band (or NAME=off); names: {', '.join(b.name for b in BANDS)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_config = load_run_config(args.run_dir) if Path(args.run_dir).is_dir() else {}
+    config = health_config_from_run(run_config)
+    if args.persistence is not None:
+        if args.persistence < 1:
+            raise TetherError(f"--persistence: must be >= 1, got {args.persistence}")
+        config.persistence = args.persistence
+    config.bands = list(config.bands) + list(args.band)
+    config.validate()
+    rows = load_metrics(args.run_dir)
+    d = diagnose(rows, config, run_config=run_config)
+    if args.json:
+        print(json.dumps(d.to_dict(), ensure_ascii=False))
+    else:
+        print(format_diagnosis(d, args.run_dir))
+    return 0 if d.healthy else 1

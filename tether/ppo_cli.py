@@ -1,0 +1,22 @@
+"""``tether ppo``: flags and YAML for :class:`~tether.ppo_config.RunConfig`, then :func:`tether.ppo_train.train`."""
+
+from __future__ import annotations
+
+from tether.config import add_config_flags, resolve_config
+from tether.ppo_config import RunConfig
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML config (nested like the keys below); flags override it")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --output-dir from its newest complete checkpoint up to --steps")
+    add_config_flags(parser, RunConfig)
+
+
+def run(args) -> int:
+    from tether.ppo_train import train
+
+    cfg = resolve_config(RunConfig, args, args.config)
+    run_dir = train(cfg, resume=args.resume)
+    print(f"tether ppo: run written to {run_dir}")
+    return 0

@@ -1,0 +1,180 @@
+"""The PPO run config (Stage B): one dataclass, nested by concern, every field documented once.
+
+Hyper-parameter names are the same in code, YAML (``kl.coef``), command line (``--kl-coef``) and
+metric names (``objective/kl_coef``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tether.config import option
+from tether.errors import ConfigError
+from tether.health import HealthConfig
+
+
+@dataclass
+class ModelConfig:
+    policy: str = option("", "policy: a local Hugging Face causal-LM directory or a preset name", flag="--policy")
+    dtype: str = option("fp32", "weights dtype of the frozen parts; trainable weights stay fp32 (C5)",
+                        choices=("fp32", "bf16", "fp16"))
+    lora_r: int = option(0, "LoRA rank for the policy; 0 = full fine-tune (the reference is then a frozen copy)",
+                         low=0, flag="--lora-r")
+    lora_alpha: int = option(16, "LoRA alpha", low=1)
+    lora_dropout: float = option(0.0, "LoRA dropout (0 keeps the first minibatch's ratio exactly 1)", low=0, high=1)
+    lora_target: str = option("all-linear", "LoRA target modules: 'all-linear' or comma-separated module names")
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
+    trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = option("", "prompt file (JSONL/CSV/Parquet/JSON; prompt, GSM8K, SVAMP or HH shapes)",
+                          flag="--prompts")
+    eval_prompts: str = option("", "held-out prompt file for evaluation; empty = split off --eval-fraction",
+                               flag="--eval-prompts")
+    eval_fraction: float = option(0.0, "share of --prompts held out for evaluation when --eval-prompts is empty",
+                                  low=0.0, high=0.5)
+    chat_template: str = option("auto", "wrap prompts in the tokenizer's chat template",
+                                choices=("auto", "on", "off"))
+    max_prompt_length: int = option(256, "prompts longer than this (tokens) are cut from the left", low=1)
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = option(48, "response length cap; rows cut here are 'truncated'", low=1,
+                                 flag="--max-new-tokens")
+    temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature everywhere",
+                                low=0.0, low_open=True, flag="--temperature")
+    top_p: float = option(1.0, "nucleus sampling", low=0.0, low_open=True, high=1.0, flag="--top-p")
+    top_k: int = option(0, "top-k sampling; 0 = off", low=0, flag="--top-k")
+
+
+@dataclass
+class RewardConfig:
+    sources: list[str] = option([], "a reward-model directory or a rule module:function[:key=value,...]; "
+                                "repeatable", flag="--reward", repeat=True)
+    ensemble: str = option("mean", "how several reward models combine (A8)", choices=("mean", "min"))
+    length_penalty: float = option(0.0, "alpha in r' = r - alpha * response tokens", low=0.0,
+                                   flag="--length-penalty")
+    missing_eos_penalty: float = option(0.0, "subtracted from the score of responses with no EOS", low=0.0,
+                                        flag="--missing-eos-penalty")
+    normalize: str = option("none", "score normalisation (reward models are already standardised)",
+                            choices=("none", "batch", "running"))
+    clip: float = option(5.0, "scores clipped to [-clip, clip]; 0 = off", low=0.0)
+    gold: str = option("auto", "rule used for eval/accuracy: module:function, 'auto' (the math rule when "
+                       "prompts carry an answer) or 'none'", flag="--gold")
+    batch_size: int = option(64, "reward-model scoring batch size", low=1)
+
+
+@dataclass
+class KLConfig:
+    coef: float = option(0.05, "initial beta of the per-token KL penalty", low=0.0, flag="--kl-coef")
+    estimator: str = option("k1", "per-token KL estimator (B5)", choices=("k1", "k2", "k3"),
+                            flag="--kl-estimator")
+    controller: str = option("fixed", "beta controller (B11)", choices=("fixed", "adaptive", "proportional"),
+                             flag="--kl-controller")
+    target: float = option(0.01, "target per-token KL for adaptive/proportional control and early stop",
+                           low=0.0, low_open=True, flag="--target-kl")
+    horizon: float = option(10000.0, "proportional controller horizon (in samples)", low=1.0)
+
+
+@dataclass
+class GAEConfig:
+    gamma: float = option(1.0, "discount", low=0.0, high=1.0, flag="--gamma")
+    lam: float = option(0.95, "GAE lambda", low=0.0, high=1.0, flag="--lam")
+
+
+@dataclass
+class PPOConfig:
+    epochs: int = option(4, "optimisation epochs over each rollout batch", low=1, flag="--ppo-epochs")
+    mini_batches: int = option(4, "minibatches per epoch (must divide --batch-size)", low=1,
+                               flag="--mini-batches")
+    grad_accumulation: int = option(1, "micro-batches per minibatch (must divide the minibatch)", low=1,
+                                    flag="--grad-accumulation")
+    clip_range: float = option(0.2, "epsilon of the clipped surrogate", low=0.0, low_open=True,
+                               flag="--clip-range")
+    clip_range_value: float = option(0.2, "epsilon_v of value clipping; 0 = off", low=0.0)
+    vf_coef: float = option(0.5, "c1: weight of the value loss", low=0.0)
+    entropy_coef: float = option(0.0, "c2: entropy bonus weight", low=0.0)
+    whiten_advantages: bool = option(True, "z-score advantages over the batch's valid tokens (B8)")
+    early_stop: bool = option(True, "stop the epoch loop when approx KL to pi_old > early_stop_factor x target")
+    early_stop_factor: float = option(1.5, "early-stop threshold in units of --target-kl", low=0.0,
+                                      low_open=True)
+
+
+@dataclass
+class CriticConfig:
+    kind: str = option("head", "value model: a head on the policy's last hidden state (detached) or a "
+                       "separate model", choices=("head", "separate"), flag="--critic")
+    model: str = option("", "backbone of a separate critic (default: the first reward model if it shares "
+                        "the policy's tokenizer, else the policy)", flag="--critic-model")
+    head: str = option("mlp", "value head architecture", choices=("linear", "mlp"))
+    warmup_steps: int = option(0, "first K steps update the critic only (B6)", low=0,
+                               flag="--critic-warmup-steps")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(1e-5, "actor learning rate", low=0.0, low_open=True, flag="--lr")
+    critic_lr: float = option(5e-5, "critic learning rate (typically 5-10x the actor's)", low=0.0,
+                              low_open=True, flag="--critic-lr")
+    weight_decay: float = option(0.0, "AdamW weight decay", low=0.0)
+    adam_eps: float = option(1e-8, "AdamW epsilon", low=0.0, low_open=True)
+    max_grad_norm: float = option(1.0, "gradient-norm clip per model; 0 = off", low=0.0)
+    warmup_steps: int = option(0, "LR warm-up in optimiser steps", low=0)
+    schedule: str = option("constant", "LR schedule after warm-up", choices=("constant", "linear", "cosine"))
+
+
+@dataclass
+class EvalConfig:
+    every: int = option(0, "evaluate every N steps (and at the end); 0 = never", low=0, flag="--eval-every")
+    n: int = option(64, "held-out prompts per evaluation", low=1, flag="--eval-n")
+    greedy: bool = option(True, "greedy decoding for evaluation (else sample at --temperature)")
+    samples: int = option(16, "responses written to samples/step_K.jsonl", low=0)
+
+
+@dataclass
+class RunConfig:
+    """Everything `tether ppo` needs. ``validate`` holds the cross-field checks."""
+
+    output_dir: str = option("runs/ppo", "run directory: config, metrics, samples, checkpoints, policy",
+                             flag="--output-dir")
+    steps: int = option(20, "total PPO steps of the run (--resume continues up to this)", low=1, flag="--steps")
+    batch_size: int = option(16, "prompts (rollouts) per PPO step, per process", low=1, flag="--batch-size")
+    seed: int = option(0, "random seed", flag="--seed")
+    save_every: int = option(0, "checkpoint every N steps (and at the end); 0 = only at the end", low=0,
+                             flag="--save-every")
+    keep_checkpoints: int = option(2, "newest checkpoints kept", low=1)
+    tensorboard: bool = option(False, "also log metrics to TensorBoard (needs tensorboard)")
+    progress: bool = option(True, "show a progress bar")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    gae: GAEConfig = field(default_factory=GAEConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+    def validate(self) -> None:
+        self.health.validate()
+        if not self.model.policy:
+            raise ConfigError("--policy: required (a model directory or preset)")
+        if not self.data.prompts:
+            raise ConfigError("--prompts: required (a prompt file)")
+        if not self.reward.sources:
+            raise ConfigError("--reward: at least one reward source is required")
+        if self.batch_size % self.ppo.mini_batches:
+            raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
+                              f"{self.batch_size}")
+        if (self.batch_size // self.ppo.mini_batches) % self.ppo.grad_accumulation:
+            raise ConfigError(f"--grad-accumulation: {self.ppo.grad_accumulation} does not divide the "
+                              f"minibatch of {self.batch_size // self.ppo.mini_batches}")
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.ppo.mini_batches

@@ -1,0 +1,161 @@
+"""Reward sources and their post-processing (SPEC B4, A8).
+
+A source maps decoded text to one score per response: ``source(prompts, responses, fields) -> (B,)``.
+Sources: a reward model directory (standardised scores, A5) — several of them form one ensemble
+(mean or min, A8) — and rules, any Python callable ``f(prompts, responses, **fields) -> list[float]``
+named ``module:function`` (optionally ``module:function:key=value,...`` for keyword arguments).
+Sources are summed. Then: length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or
+running z-score) and clipping to [−c, c].
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tether.errors import TetherError
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_rule(spec: str) -> Callable:
+    """Import ``module:function[:key=value,...]``; one-line errors when it cannot be found."""
+    parts = spec.split(":")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise TetherError(f"--reward {spec}: not a reward-model directory nor a rule 'module:function'")
+    module_name, function_name = parts[0], parts[1]
+    kwargs = {}
+    for item in filter(None, ":".join(parts[2:]).split(",")):
+        if "=" not in item:
+            raise TetherError(f"--reward {spec}: rule arguments must be key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        kwargs[key.strip()] = _parse_value(value.strip())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TetherError(f"--reward {spec}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise TetherError(f"--reward {spec}: module {module_name!r} has no function {function_name!r}")
+    if kwargs:
+        base = fn
+
+        def fn(prompts, responses, **fields):
+            return base(prompts, responses, **fields, **kwargs)
+
+        fn.__name__ = function_name
+    return fn
+
+
+def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: dict[str, list]) -> torch.Tensor:
+    """Call a rule with the prompt rows' other columns as keyword lists (only those it accepts, unless
+    it takes ``**fields``); check it returned one finite number per response."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        fields = {k: v for k, v in fields.items() if k in params}
+    out = fn(prompts, responses, **fields)
+    values = [float(v) for v in out]
+    if len(values) != len(responses):
+        raise TetherError(f"rule {getattr(fn, '__name__', fn)}: returned {len(values)} scores for "
+                          f"{len(responses)} responses")
+    if not all(math.isfinite(v) for v in values):
+        raise TetherError(f"rule {getattr(fn, '__name__', fn)}: returned a non-finite score")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+class RuleSource:
+    def __init__(self, spec: str):
+        self.name = spec
+        self.fn = load_rule(spec)
+
+    def __call__(self, prompts, responses, fields) -> torch.Tensor:
+        return call_rule(self.fn, prompts, responses, fields)
+
+
+class RewardModelSource:
+    """One reward model or an ensemble, scoring decoded text with its own tokenizer (standardised)."""
+
+    def __init__(self, directories: list[str], reduce: str = "mean", batch_size: int = 64, device=None):
+        from tether.reward_model import RewardEnsemble, RewardModel
+
+        self.name = "+".join(directories)
+        models = [RewardModel.from_pretrained(d, device=device) for d in directories]
+        self.scorer = models[0] if len(models) == 1 else RewardEnsemble(models, reduce=reduce)
+        self.batch_size = batch_size
+
+    def __call__(self, prompts, responses, fields) -> torch.Tensor:
+        return self.scorer.score(prompts, responses, batch_size=self.batch_size).float().cpu()
+
+
+def is_reward_model_dir(spec: str) -> bool:
+    return Path(spec).expanduser().is_dir()
+
+
+def build_sources(specs: list[str], ensemble: str = "mean", batch_size: int = 64, device=None) -> list:
+    """Reward-model directories (one ensemble source) and rules (one source each), in that order."""
+    rm_dirs = [s for s in specs if is_reward_model_dir(s)]
+    rules = [s for s in specs if s not in rm_dirs]
+    sources = [RewardModelSource(rm_dirs, ensemble, batch_size, device)] if rm_dirs else []
+    return sources + [RuleSource(s) for s in rules]
+
+
+class RunningMoments:
+    """Running mean/variance over all scores seen (parallel Welford merge), for running z-scores."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        n = x.numel()
+        if n == 0:
+            return
+        batch_mean, batch_m2 = x.double().mean().item(), ((x.double() - x.double().mean()) ** 2).sum().item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 1 else 1.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos: torch.Tensor, cfg,
+                       running: RunningMoments | None = None) -> torch.Tensor:
+    """B4 on (B,) raw scores: r − α·len − p·[no EOS], then z-score (batch or running), then clip to ±c.
+
+    ``cfg`` is a ``RewardConfig``; ``lengths`` (B,) response tokens; ``ended_with_eos`` (B,) bool."""
+    scores = raw - cfg.length_penalty * lengths.float()
+    scores = scores - cfg.missing_eos_penalty * (~ended_with_eos).float()
+    if cfg.normalize == "batch":
+        scores = (scores - scores.mean()) / (scores.std(unbiased=False) + 1e-8)
+    elif cfg.normalize == "running":
+        running.update(scores)
+        scores = (scores - running.mean) / (running.std + 1e-8)
+    if cfg.clip > 0:
+        scores = scores.clamp(-cfg.clip, cfg.clip)
+    return scores
+
+
+def score_responses(sources: list, prompts: list[str], responses: list[str], fields: dict) -> torch.Tensor:
+    """Σ over sources of their (B,) scores."""
+    return torch.stack([source(prompts, responses, fields) for source in sources]).sum(dim=0)

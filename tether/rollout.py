@@ -1,0 +1,159 @@
+"""Rollout: prompt encoding, batched sampling with a KV cache (B1), and the training-side forward
+pass that gives log-probs, entropy and hidden states (B2). The :class:`Rollout` record carries one
+PPO step's frozen data.
+
+Positions: the query (prompt) has P tokens, left-padded; the response has T tokens, right-padded after
+its first EOS. Logits at sequence position i predict token i+1, so response token t is scored by the
+logits at position P−1+t, and the state s_t (query + response[:t]) is the hidden state at P−1+t; the
+state after the last token, used for the truncation bootstrap, is the hidden state at P−1+T.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields
+
+import torch
+
+from tether.stats import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass
+class Rollout:
+    """One PPO step's batch. Everything is detached and frozen for the whole epoch loop (B7)."""
+
+    query: torch.Tensor                 # (B, P) prompt token ids, left-padded
+    query_mask: torch.Tensor            # (B, P) 1 on prompt tokens
+    response: torch.Tensor              # (B, T) sampled token ids, pad after the first EOS
+    response_mask: torch.Tensor         # (B, T) 1 up to and including the first EOS
+    ended_with_eos: torch.Tensor        # (B,) bool: False = cut by max_new_tokens (truncated)
+    logprobs_old: torch.Tensor | None = None   # (B, T) log π_old(a_t|s_t), training-side forward
+    logprobs_ref: torch.Tensor | None = None   # (B, T) log π_ref(a_t|s_t)
+    values_old: torch.Tensor | None = None     # (B, T) V_old(s_t)
+    last_values: torch.Tensor | None = None    # (B,) V_old(s_T) for truncated rows, 0 for EOS rows
+    scores: torch.Tensor | None = None         # (B,) sequence scores after penalties/normalisation/clip
+    kl: torch.Tensor | None = None             # (B, T) per-token KL_t estimate
+    rewards: torch.Tensor | None = None        # (B, T) r̃_t = −β·KL_t (+ score on the last token)
+    advantages: torch.Tensor | None = None     # (B, T) Â_t (whitened when configured)
+    returns: torch.Tensor | None = None        # (B, T) R_t = Â_t + V_old(s_t), before whitening
+
+    def __len__(self) -> int:
+        return self.query.shape[0]
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """The rows ``index`` of every tensor (a minibatch is one indexing helper, not many tensors)."""
+        return Rollout(**{f.name: (v[index] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                          for f in fields(self)})
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, use_chat_template: bool):
+    """Token ids (B, P) left-padded and their mask; long prompts keep their last ``max_prompt_length`` tokens."""
+    rows = []
+    for prompt in prompts:
+        if use_chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                add_generation_prompt=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        rows.append(list(ids)[-max_prompt_length:])
+    width = max(len(r) for r in rows)
+    query = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        query[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return query, mask
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a response: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def response_mask_after_eos(response: torch.Tensor, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask (B, T): 1 up to and including the first EOS, ended_with_eos (B,))."""
+    is_eos = torch.isin(response, torch.tensor(eos, device=response.device))
+    ended = is_eos.any(dim=1)
+    # Number of EOS strictly before each position: positions after the first EOS have ≥ 1.
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return (eos_before == 0).long(), ended
+
+
+@torch.no_grad()
+def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> Rollout:
+    """Sample responses with ``model.generate`` (KV cache; stops as soon as every row has hit EOS)."""
+    from transformers import GenerationConfig
+
+    eos = eos_ids(tokenizer, model)
+    config = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                              eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                              **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}))
+    from transformers.utils import logging as hf_logging
+
+    was_training, verbosity = model.training, hf_logging.get_verbosity()
+    model.eval()
+    # Finished rows keep emitting PAD, which makes transformers warn about padding without a mask: harmless.
+    hf_logging.set_verbosity_error()
+    try:
+        output = model.generate(input_ids=query, attention_mask=query_mask, generation_config=config)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        model.train(was_training)
+    response = output[:, query.shape[1]:]
+    response_mask, ended = response_mask_after_eos(response, eos)
+    response = torch.where(response_mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
+    return Rollout(query=query, query_mask=query_mask, response=response, response_mask=response_mask,
+                   ended_with_eos=ended)
+
+
+def sequence_inputs(query, query_mask, response, response_mask):
+    """input_ids, attention_mask, position_ids of query+response, positions as ``generate`` makes them."""
+    input_ids = torch.cat([query, response], dim=1)
+    attention_mask = torch.cat([query_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    base = getattr(model, "module", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def forward_response(model, batch: Rollout, temperature: float, need_hidden: bool = False):
+    """Training-side forward over query+response (B2).
+
+    Returns ``(logprobs (B, T), entropy (B, T), hidden (B, T+1, H) or None)`` where log-probs and
+    entropy are of softmax(logits / temperature), and ``hidden`` holds the last-layer states
+    s_0 … s_T (for values)."""
+    T = batch.response.shape[1]
+    input_ids, attention_mask, position_ids = sequence_inputs(batch.query, batch.query_mask,
+                                                              batch.response, batch.response_mask)
+    kwargs = {"logits_to_keep": T + 1} if _accepts_logits_to_keep(model) else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                output_hidden_states=need_hidden, use_cache=False, **kwargs)
+    logits = out.logits[:, -(T + 1):-1] / temperature  # (B, T, V): logits at P-1 … P+T-2
+    logprobs = logprobs_from_logits(logits, batch.response)
+    entropy = entropy_from_logits(logits)
+    hidden = out.hidden_states[-1][:, -(T + 1):] if need_hidden else None
+    return logprobs, entropy, hidden
+
+
+def critic_values(critic, batch: Rollout, hidden: torch.Tensor | None) -> torch.Tensor:
+    """V(s_0) … V(s_T), (B, T+1): from the policy's (detached) hidden states for a value head, or from
+    a separate critic's own forward."""
+    from tether.models import ValueHead
+
+    head = getattr(critic, "module", critic)
+    if isinstance(head, ValueHead):
+        return critic(hidden.detach())
+    T = batch.response.shape[1]
+    input_ids, attention_mask, position_ids = sequence_inputs(batch.query, batch.query_mask,
+                                                              batch.response, batch.response_mask)
+    return critic(input_ids, attention_mask, position_ids)[:, -(T + 1):]
