@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tether.advantages import gae, masked_mean, shaped_rewards, whiten
+from tether.advantages import gae, masked_mean, masked_var, shaped_rewards, whiten
 from tether.kl import kl_penalty
 from tether.losses import ppo_policy_loss, ppo_value_loss
 from tether.prompts import collate_fields
@@ -118,7 +118,8 @@ def ppo_step(c, cfg, step: int) -> dict:
         "policy/entropy": c.global_mean(masked_mean(entropy, mask)),
         "value/explained_variance": c.global_mean(explained_variance(values_old, returns, mask)),
         "value/mean": c.global_mean(masked_mean(values_old, mask)),
-        "value/std": c.global_mean(masked_mean((values_old - masked_mean(values_old, mask)) ** 2, mask).sqrt()),
+        "value/std": c.global_mean(masked_var(values_old, mask).sqrt()),
+        "value/returns_std": c.global_mean(masked_var(returns, mask).sqrt()),
         "response/length_mean": c.global_mean(lengths.float().mean()),
         "response/length_min": c.global_min(lengths.min().float()),
         "response/length_max": c.global_max(lengths.max().float()),

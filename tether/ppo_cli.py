@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tether.config import add_config_flags, resolve_config
 from tether.ppo_config import RunConfig
 
@@ -18,5 +20,6 @@ def run(args) -> int:
 
     cfg = resolve_config(RunConfig, args, args.config)
     run_dir = train(cfg, resume=args.resume)
-    print(f"tether ppo: run written to {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # one line, not one per process
+        print(f"tether ppo: run written to {run_dir}")
     return 0

@@ -135,7 +135,7 @@ def train(cfg, resume: bool = False) -> Path:
         for line in metrics_path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             monitor.update(row["step"], row)
-    last_healthy_checkpoint = None
+    healthy_checkpoints: list[tuple[int, Path]] = []  # saved while no band was in alarm
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="ppo", initial=start, total=cfg.steps,
                disable=not (cfg.progress and c.is_main), dynamic_ncols=True)
     stopped_by_alarm = False
@@ -153,7 +153,7 @@ def train(cfg, resume: bool = False) -> Path:
         if c.is_main:
             write_jsonl(metrics_path, row)
             for alert in alerts:
-                tqdm.write(f"[health] step {step}: {alert}", file=sys.stderr)
+                tqdm.write(f"[health] {alert}", file=sys.stderr)
                 write_jsonl(run_dir / "alerts.jsonl", {"step": step, "alert": str(alert)})
             bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.4f}",
                             beta=f"{row['objective/kl_coef']:.3g}")
@@ -162,7 +162,7 @@ def train(cfg, resume: bool = False) -> Path:
                 saved = save_checkpoint(run_dir, step, c.unwrapped_policy, c.unwrapped_critic,
                                         trainer_state(c, step), cfg.keep_checkpoints)
                 if monitor.healthy:
-                    last_healthy_checkpoint = saved
+                    healthy_checkpoints.append((step, saved))
             c.accelerator.wait_for_everyone()
         if alerts and (cfg.health.stop_on_alarm or cfg.health.rollback):
             stopped_by_alarm = True
@@ -171,14 +171,48 @@ def train(cfg, resume: bool = False) -> Path:
             break
     bar.close()
     if stopped_by_alarm and cfg.health.rollback:
-        if last_healthy_checkpoint is None:
-            print("[health] no checkpoint was saved while healthy: nothing to roll back to", file=sys.stderr)
-        else:
-            load_checkpoint(last_healthy_checkpoint, c.unwrapped_policy, c.unwrapped_critic)
-            if c.is_main:
-                print(f"[health] rolled back to {last_healthy_checkpoint.name}; policy/ holds its weights",
-                      file=sys.stderr)
+        rollback(c, monitor, healthy_checkpoints)
+    if c.world_size > 1:
+        check_ranks_in_sync(c, run_dir)
     if c.is_main:
         export_policy(c, run_dir)
     c.accelerator.wait_for_everyone()
     return run_dir
+
+
+def rollback(c, monitor, healthy_checkpoints: list[tuple[int, Path]]) -> None:
+    """Restore the newest checkpoint saved before the first alarm's onset (a checkpoint saved between
+    onset and alarm counts as healthy, but its metric was already drifting)."""
+    onset = min(alert.onset_step for alert in monitor.alerts())
+    candidates = [path for step, path in healthy_checkpoints if step < onset and path.is_dir()]
+    if not candidates:
+        print(f"[health] no checkpoint saved before step {onset}: nothing to roll back to", file=sys.stderr)
+        return
+    load_checkpoint(candidates[-1], c.unwrapped_policy, c.unwrapped_critic)
+    if c.is_main:
+        print(f"[health] rolled back to {candidates[-1].name}; policy/ holds its weights", file=sys.stderr)
+
+
+def check_ranks_in_sync(c, run_dir: Path) -> bool:
+    """All ranks must hold identical weights after DDP training: compare SHA-256 digests of the
+    trainable parameters across ranks and record them in ``ranks.json``."""
+    import hashlib
+
+    def digest(module) -> str:
+        h = hashlib.sha256()
+        for name, p in sorted(module.named_parameters()):
+            if p.requires_grad:
+                h.update(name.encode())
+                h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    mine = {"policy": digest(c.unwrapped_policy), "critic": digest(c.unwrapped_critic)}
+    gathered = [None] * c.world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    in_sync = all(g == gathered[0] for g in gathered)
+    if c.is_main:
+        (run_dir / "ranks.json").write_text(json.dumps({"world_size": c.world_size, "in_sync": in_sync,
+                                                        "digests": gathered}, indent=1), encoding="utf-8")
+        if not in_sync:
+            print("[ddp] warning: ranks hold different weights", file=sys.stderr)
+    return in_sync
