@@ -50,7 +50,8 @@ def rollout_batch(c, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollo
                                        c.use_chat_template)
     g = cfg.generation
     batch = generate(c.unwrapped_policy, c.tokenizer, query.to(c.device), query_mask.to(c.device),
-                     g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy)
+                     g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy,
+                     min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = c.tokenizer.batch_decode([row[m.bool()] for row, m in zip(batch.response, batch.response_mask)],
                                      skip_special_tokens=True)
     return batch, texts

@@ -48,6 +48,8 @@ class GenerationConfig:
                                 low=0.0, low_open=True, flag="--temperature")
     top_p: float = option(1.0, "nucleus sampling", low=0.0, low_open=True, high=1.0, flag="--top-p")
     top_k: int = option(0, "top-k sampling; 0 = off", low=0, flag="--top-k")
+    min_new_tokens: int = option(0, "EOS is not sampled before this many tokens (benchmarks use it to fix the "
+                                 "response length)", low=0)
 
 
 @dataclass

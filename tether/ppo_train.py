@@ -131,6 +131,7 @@ def train(cfg, resume: bool = False) -> Path:
         (run_dir / "samples").mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     monitor = HealthMonitor(cfg.health)
+    tensorboard = open_tensorboard(run_dir) if cfg.tensorboard and c.is_main else None
     if resume and metrics_path.is_file():  # replay history so alerts fire only on new crossings
         for line in metrics_path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
@@ -152,6 +153,9 @@ def train(cfg, resume: bool = False) -> Path:
         alerts = monitor.update(step, row)
         if c.is_main:
             write_jsonl(metrics_path, row)
+            if tensorboard is not None:
+                for key, value in metrics.items():
+                    tensorboard.add_scalar(key, value, step)
             for alert in alerts:
                 tqdm.write(f"[health] {alert}", file=sys.stderr)
                 write_jsonl(run_dir / "alerts.jsonl", {"step": step, "alert": str(alert)})
@@ -170,6 +174,8 @@ def train(cfg, resume: bool = False) -> Path:
                 tqdm.write(f"[health] stopping at step {step} (health alarm)", file=sys.stderr)
             break
     bar.close()
+    if tensorboard is not None:
+        tensorboard.close()
     if stopped_by_alarm and cfg.health.rollback:
         rollback(c, monitor, healthy_checkpoints)
     if c.world_size > 1:
@@ -178,6 +184,14 @@ def train(cfg, resume: bool = False) -> Path:
         export_policy(c, run_dir)
     c.accelerator.wait_for_everyone()
     return run_dir
+
+
+def open_tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TetherError("--tensorboard: the tensorboard package is not installed (pip install tensorboard)") from None
+    return SummaryWriter(str(run_dir / "tensorboard"))
 
 
 def rollback(c, monitor, healthy_checkpoints: list[tuple[int, Path]]) -> None:

@@ -86,12 +86,13 @@ def response_mask_after_eos(response: torch.Tensor, eos: list[int]) -> tuple[tor
 
 @torch.no_grad()
 def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> Rollout:
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+             min_new_tokens: int = 0) -> Rollout:
     """Sample responses with ``model.generate`` (KV cache; stops as soon as every row has hit EOS)."""
     from transformers import GenerationConfig
 
     eos = eos_ids(tokenizer, model)
-    config = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, min_new_tokens=0,
+    config = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                               eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
                               **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}))
     from transformers.utils import logging as hf_logging
