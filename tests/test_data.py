@@ -82,7 +82,8 @@ def test_bad_csv_rows_are_named_and_skippable(tmp_path):
     with pytest.raises(DataError, match=r"bad\.csv: line 3: expected 3 fields, got 2"):
         read_records(path)
     skipped: list[str] = []
-    assert read_records(path, skip_invalid=True, skipped=skipped) == [(2, {"prompt": "p", "chosen": "c", "rejected": "r"})]
+    kept = read_records(path, skip_invalid=True, skipped=skipped)
+    assert kept == [(2, {"prompt": "p", "chosen": "c", "rejected": "r"})]
     assert [s.split(": ", 1)[1] for s in skipped] == ["line 3: expected 3 fields, got 2",
                                                     "line 4: not UTF-8 text (byte 0xfe)"]
     path.write_bytes(b"prompt,chosen,rejected\np,c,r\np,\xfe,r\n")

@@ -10,7 +10,14 @@ import torch
 from tether.demo import pairs as pairs_mod
 from tether.demo import sft as sft_mod
 from tether.demo.pairs import make_preference_pairs
-from tether.demo.sft import answer_loss, generate_answers, gold_accuracy, sft_tensors, sft_train
+from tether.demo.sft import (
+    answer_loss,
+    generate_answers,
+    gold_accuracy,
+    sft_tensors,
+    sft_to_accuracy,
+    sft_train,
+)
 from tether.demo.task import (
     CHARACTERS,
     build_policy,
@@ -80,10 +87,10 @@ def test_policy_config_ids_and_seeded_init(tok):
     assert cfg.vocab_size == len(tok) and (cfg.n_layer, cfg.n_embd, cfg.n_head) == (3, 128, 4)
     assert 0.55e6 < sum(p.numel() for p in model.parameters()) < 0.65e6  # the measured 0.6M model
     rng = torch.get_rng_state()
-    other = build_policy(tok, seed=3)
+    a, b, c = tiny_policy(tok, seed=3), tiny_policy(tok, seed=3), tiny_policy(tok, seed=4)
     assert torch.equal(torch.get_rng_state(), rng)  # seeded without touching the global RNG
-    assert torch.equal(model.transformer.wte.weight, other.transformer.wte.weight)
-    assert not torch.equal(model.transformer.wte.weight, build_policy(tok, seed=4).transformer.wte.weight)
+    assert torch.equal(a.transformer.wte.weight, b.transformer.wte.weight)
+    assert not torch.equal(a.transformer.wte.weight, c.transformer.wte.weight)
 
 
 # ---------------------------------------------------------------- problems and the gold rule
@@ -100,6 +107,16 @@ def test_problems_are_well_formed_deterministic_and_distinct():
         assert p["answer"] == str(int(x) + int(y))
         assert p["answer"] == str(int(p["answer"]))  # no leading zeros
     assert make_problems(5, seed=1, exclude={p["prompt"] for p in make_problems(5, seed=1)}) != make_problems(5, 1)
+
+
+def test_two_digit_variant_can_use_the_whole_space():
+    train, held = split_problems(seed=0, n_train=9500, n_eval=500, digits=2)
+    prompts = {p["prompt"] for p in train} | {p["prompt"] for p in held}
+    assert len(prompts) == 10_000  # every 2-digit problem, each exactly once
+    assert all(len(p) == 6 for p in prompts)
+    assert all(p["answer"] == str(int(p["prompt"][:2]) + int(p["prompt"][3:5])) for p in held)
+    with pytest.raises(ValueError):
+        make_problems(9501, seed=0, exclude={p["prompt"] for p in held}, digits=2)
 
 
 def test_split_is_disjoint_and_held_out_does_not_depend_on_n_train():
@@ -121,8 +138,10 @@ def test_gold_reward_hand_written_cases():
     assert solve("999+001=") == "1000"
     with pytest.raises(ValueError):
         gold_reward(["123+045="], ["168", "168"])
-    with pytest.raises(ValueError):
-        solve("12+45=")
+    assert solve("07+05=") == "12"  # the 2-digit variant
+    for bad in ["12+345=", "123-045=", "123+045", "+=", "12a+045="]:
+        with pytest.raises(ValueError):
+            solve(bad)
 
 
 # ---------------------------------------------------------------- SFT
@@ -164,6 +183,25 @@ def test_sft_steps_reduce_loss_and_change_every_parameter(tok):
     assert stats["final_loss"] == pytest.approx(sum(losses[-20:]) / 20)
     for name, p in model.named_parameters():
         assert not torch.equal(p, before[name]), name
+
+
+def test_sft_to_accuracy_stops_at_the_first_check_that_reaches_the_target(tok, monkeypatch):
+    def fake_accuracies(values):
+        it = iter(values)
+        return lambda model, tokenizer, dev, **kwargs: {"accuracy": next(it)}
+
+    train, dev = make_problems(64, seed=0), make_problems(8, seed=1)
+    model = tiny_policy(tok)
+    monkeypatch.setattr(sft_mod, "gold_accuracy", fake_accuracies([0.1, 0.3, 0.6, 0.9]))
+    out = sft_to_accuracy(model, tok, train, dev, target=0.5, max_steps=20, check_every=2, batch_size=8,
+                          progress=False)
+    assert out["steps"] == 6 and len(out["losses"]) == 6
+    assert out["dev_curve"] == [(2, 0.1), (4, 0.3), (6, 0.6)] and out["reached"]
+    # never reached: runs to max_steps and checks there too
+    monkeypatch.setattr(sft_mod, "gold_accuracy", fake_accuracies([0.2, 0.4]))
+    missed = sft_to_accuracy(model, tok, train, dev, target=0.99, max_steps=3, check_every=2, batch_size=8,
+                             progress=False)
+    assert missed["steps"] == 3 and missed["dev_curve"] == [(2, 0.2), (3, 0.4)] and not missed["reached"]
 
 
 # ---------------------------------------------------------------- generation and accuracy

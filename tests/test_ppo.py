@@ -196,3 +196,34 @@ def test_toy_reward_rises_with_kl_tether(files, tmp_path):
     late = sum(r["objective/scores_raw"] for r in rows[-4:]) / 4
     assert late > early + 0.1, (early, late)
     assert max(r["objective/kl"] for r in rows) < 2.0  # bounded per-token KL to the reference
+
+
+def test_reward_model_source_and_separate_critic_from_it(files, tmp_path):
+    """PPO against a tether reward model (the RM scores decoded text with its own tokenizer); the
+    separate critic starts from the RM backbone, which shares the policy's tokenizer."""
+    from tether.demo.task import build_tokenizer
+    from tether.reward_model import RewardModel, choose_format
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_layer=1, n_embd=16, n_head=2, num_labels=1,
+                        pad_token_id=tokenizer.pad_token_id, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    torch.manual_seed(0)
+    rm = RewardModel(GPT2ForSequenceClassification(config), tokenizer, choose_format(tokenizer, "plain"))
+    rm.set_normalization(torch.tensor([0.5, 1.5]))
+    rm_dir = tmp_path / "rm"
+    rm.save_pretrained(rm_dir)
+    cfg = tiny_config(tmp_path, *files, reward__sources=[str(rm_dir)], critic__kind="separate", steps=1)
+    c = setup(cfg)
+    assert c.critic.backbone.config.n_embd == 16  # initialised from the RM, not the policy
+    from tether.ppo import rollout_batch
+    from tether.prompts import collate_fields
+    from tether.rewards import score_responses
+
+    rows = c.prompts.next_batch()
+    _, responses = rollout_batch(c, cfg, rows)
+    prompts = [r["prompt"] for r in rows]
+    expected = RewardModel.from_pretrained(rm_dir).score(prompts, responses)
+    torch.testing.assert_close(score_responses(c.sources, prompts, responses, collate_fields(rows)), expected)
+    metrics = ppo_step(c, cfg, 1)
+    assert torch.isfinite(torch.tensor(metrics["objective/scores"]))

@@ -40,12 +40,13 @@ def char_tokenizer(pad_is_eos: bool = False, encoder: bool = False, pad: bool = 
     return PreTrainedTokenizerFast(tokenizer_object=core, **kwargs)
 
 
-def save_tiny_gpt2(path: Path, tokenizer=None, seed: int = 0) -> Path:
-    """A random 2-layer, 32-wide GPT-2 *causal LM* (no score head: train-rm adds one), dropout off."""
+def save_tiny_gpt2(path: Path, tokenizer=None, seed: int = 0, width: int = 32) -> Path:
+    """A random 2-layer GPT-2 *causal LM* (no score head: train-rm adds one), ``width`` wide with 16-wide
+    heads, dropout off."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = tokenizer or char_tokenizer()
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=width, n_layer=2, n_head=width // 16,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=tokenizer.pad_token_id,
                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
@@ -122,8 +123,8 @@ def test_pad_equal_to_eos_scores_the_final_eos(tmp_path):
     assert all(s[-1] == 1 for s in seqs)
     with torch.no_grad():
         # by hand: the head on the last hidden state of each unpadded row (its final token is EOS)
-        by_hand = torch.stack([rm.model.transformer(torch.tensor([s])).last_hidden_state[0, -1] @ rm.model.score.weight[0]
-                               for s in seqs])
+        last_hidden = [rm.model.transformer(torch.tensor([s])).last_hidden_state[0, -1] for s in seqs]
+        by_hand = torch.stack([h @ rm.model.score.weight[0] for h in last_hidden])
         ids, mask = pad_batch(seqs, 1, "right")
         torch.testing.assert_close(pooled_scores(rm.model, ids, mask, "last_token"), by_hand, atol=1e-5, rtol=1e-5)
         # HF's pooling searches for the pad id and so scores the token before the EOS: the pitfall we avoid

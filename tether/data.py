@@ -213,7 +213,8 @@ def _read_dataset(path: Path) -> list[tuple[int, dict]]:
         raise DataError(f"{path}: not a dataset folder saved with save_to_disk ({str(e).splitlines()[0]})") from None
     if isinstance(data, datasets.DatasetDict):
         if len(data) != 1:
-            raise DataError(f"{path}: holds the splits {', '.join(data)}; pass one of them, e.g. {path / next(iter(data))}")
+            raise DataError(f"{path}: holds the splits {', '.join(data)}; "
+                            f"pass one of them, e.g. {path / next(iter(data))}")
         data = next(iter(data.values()))
     return list(enumerate(data.to_list(), start=1))
 

@@ -43,7 +43,7 @@ def _to_prompt(record: dict) -> dict | None:
 
 def load_prompts(path: str, skip_invalid: bool = False) -> list[dict]:
     """Prompt rows of ``path`` (each ``{"prompt": str, **fields}``); one-line errors name file and row."""
-    from tether.data import read_records
+    from tether.data import read_records, record_location
 
     rows, skipped = [], 0
     for number, record in read_records(path, skip_invalid=skip_invalid):
@@ -58,7 +58,7 @@ def load_prompts(path: str, skip_invalid: bool = False) -> list[dict]:
             if skip_invalid:
                 skipped += 1
                 continue
-            raise DataError(f"{path}: row {number}: {problem}")
+            raise DataError(f"{record_location(path, number)}: {problem}")
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no prompts" + (f" ({skipped} invalid rows skipped)" if skipped else ""))

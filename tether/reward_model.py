@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -205,6 +206,9 @@ def load_tokenizer(path: str | Path):
         raise TetherError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None
     if not getattr(tokenizer, "is_fast", False):
         raise TetherError(f"{path}: tether needs a fast tokenizer (tokenizer.json) to locate the reply in the text")
+    # TextFormat.encode truncates after tokenising (to keep the reply), so long texts are expected there:
+    # mute transformers' one-time "sequence length is longer than the maximum" warning.
+    getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
 
 
@@ -241,7 +245,10 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str = 
     config = LoraConfig(task_type="SEQ_CLS", r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=targets, modules_to_save=heads)
     try:
-        model = get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft notes GPT-2's Conv1D layout and a transformers deprecation
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            model = get_peft_model(model, config)
     except ValueError as e:
         raise TetherError(f"LoRA: {str(e).splitlines()[0]} (set lora.target_modules)") from None
     for p in model.parameters():
@@ -330,10 +337,11 @@ class RewardModel:
         with _quiet_transformers():
             self.model.save_pretrained(str(path))
             self.tokenizer.save_pretrained(str(path))
-        meta = {**self.metadata, **(extra or {})}
-        meta.update({"format_version": FORMAT_VERSION, "pooling": self.pooling,
-                     "text_format": asdict(self.text_format)})
-        meta.setdefault("normalization", {"mean": self.mean, "std": self.std})
+        # the mean/std in use win over any stale copy in the metadata
+        norm = {**self.metadata.get("normalization", {}), "mean": self.mean, "std": self.std}
+        meta = {"format_version": FORMAT_VERSION, "pooling": self.pooling, "text_format": asdict(self.text_format),
+                "normalization": norm}
+        meta.update({k: v for k, v in {**self.metadata, **(extra or {})}.items() if k not in meta})
         (path / METADATA_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

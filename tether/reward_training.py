@@ -151,13 +151,13 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
     train, held_out = split_pairs(pairs, cfg.data.eval_fraction, cfg.seed)
     data_info = {"pairs": len(pairs), "train": len(train), "held_out": len(held_out), "split": "by prompt",
                  "held_out_prompts": len({p.prompt for p in held_out})}
+    print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
+          f"({data_info['held_out_prompts']} held-out prompts, never trained on)")
     if cfg.data.balance_length:
         n_before = len(train)
         train = balance_by_length(train, cfg.seed)
         data_info["balanced_train"] = len(train)
         print(f"balance-length: kept {len(train)} of {n_before} train pairs (chosen longer = chosen shorter)")
-    print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
-          f"({data_info['held_out_prompts']} held-out prompts, never trained on)")
 
     # 2. model
     tokenizer = load_tokenizer(model_path)
@@ -219,7 +219,8 @@ def check_output_dir(out_dir: Path) -> None:
     """Refuse to replace a non-empty folder that is not a tether reward model (it is the user's data)."""
     from tether.reward_model import METADATA_FILE
 
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / METADATA_FILE).is_file())):
+    ours = (out_dir / METADATA_FILE).is_file()
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not ours)):
         raise ConfigError(f"--output-dir {out_dir}: exists and is not a tether reward model; refusing to replace it")
 
 
@@ -313,10 +314,15 @@ def save_atomically(rm, out_dir: Path, cfg: RewardTrainingConfig, evaluation: di
     crash never leaves a half-written model where a good one was."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any folder
     try:
         rm.save_pretrained(tmp)
         save_config(cfg, tmp / "config.yaml")
         (tmp / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n", encoding="utf-8")
+        for f in tmp.iterdir():  # some writers create private files; make them like any other file
+            os.chmod(f, 0o666 & ~umask)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.rename(out_dir, old)
@@ -380,7 +386,8 @@ def evaluate_pairs(scorer, pairs: list[PreferencePair], batch_size: int = 64) ->
 
 def format_evaluation(ev: dict) -> str:
     """The evaluation as a small text table."""
-    verdict = "excludes 0.5: better than chance" if ev["excludes_chance"] else "includes 0.5: not distinguishable from chance"
+    verdict = ("includes 0.5: not distinguishable from chance" if not ev["excludes_chance"] else
+               "excludes 0.5: better than chance" if ev["wilson_low"] > 0.5 else "excludes 0.5: WORSE than chance")
 
     def row(name: str, g: dict) -> str:
         acc = "   -  " if g["accuracy"] is None else f"{g['accuracy']:.3f}"

@@ -1,5 +1,6 @@
 """The built-in demo (SPEC E): a synthetic task with a gold rule, a tiny policy, SFT, and preference pairs.
 
 ``task`` defines 3-digit addition, its gold rule, the character tokenizer and the GPT-2 policy;
-``sft`` fine-tunes the policy, generates answers, measures gold accuracy and samples preference pairs.
+``sft`` fine-tunes the policy, generates answers and measures gold accuracy; ``pairs`` samples the SFT
+policy and labels its answers with the gold rule to make the reward model's preference pairs.
 """

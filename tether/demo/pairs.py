@@ -35,8 +35,9 @@ def make_preference_pairs(
 
     ``pairs``: ``{"prompt", "chosen", "rejected"}`` rows (response texts without special tokens), in
     problem order, at most ``max_pairs_per_prompt`` per prompt (earliest samples first). ``stats``:
-    ``n_prompts``, ``n_samples``, ``sample_accuracy``, ``eos_rate``, ``prompts_with_both``,
-    ``prompts_all_correct``, ``prompts_all_wrong``, ``skipped_same_text``, ``n_pairs``, ``seconds``.
+    ``n_prompts``, ``n_samples``, ``sample_accuracy`` (correct share of all samples), ``eos_rate``,
+    ``prompts_with_both`` (prompts with a correct and a differently written wrong sample: those that gave
+    pairs), ``prompts_all_correct``, ``prompts_all_wrong``, ``skipped_same_text``, ``n_pairs``, ``seconds``.
     """
     if samples_per_prompt < 2:
         raise ValueError(f"samples_per_prompt must be >= 2 to pair samples, got {samples_per_prompt}")

@@ -66,17 +66,20 @@ def sft_train(
     seed: int = 0,
     progress: bool = True,
     weight_decay: float = 0.01,
-    callback: Callable[[int, float], None] | None = None,
+    callback: Callable[[int, float], bool | None] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place on ``problems`` for ``steps`` AdamW steps (constant ``lr``, grad-norm clip 1).
 
-    Batches are drawn by reshuffling the problems every epoch (seeded, without touching the global RNG).
-    ``callback(step, loss)``, if given, runs after every step (1-based), e.g. to evaluate along the way.
-    Returns ``steps``, ``seconds`` (training only, callback time excluded), ``steps_per_second``, ``final_loss`` (mean of the last ≤ 20 steps)
-    and ``losses`` (one per step).
+    Batches are drawn by reshuffling the problems every epoch (seeded, without touching the global RNG);
+    with fewer problems than ``batch_size`` every batch is the whole set. ``callback(step, loss)``, if
+    given, runs after every step (1-based), e.g. to evaluate along the way; a true return value stops
+    training there. Returns ``steps`` (the steps taken),
+    ``seconds`` (training only, callback time excluded), ``steps_per_second``, ``final_loss`` (mean of
+    the last ≤ 20 steps) and ``losses`` (one per step).
     """
-    if steps < 0 or batch_size < 1:
-        raise ValueError(f"sft_train: need steps >= 0 and batch_size >= 1, got {steps} and {batch_size}")
+    if steps < 0 or batch_size < 1 or not problems:
+        raise ValueError(f"sft_train: need steps >= 0, batch_size >= 1 and problems, got {steps}, {batch_size}, "
+                         f"{len(problems)} problems")
     data = sft_tensors(tokenizer, problems)
     n = data["input_ids"].shape[0]
     device = next(model.parameters()).device
@@ -106,18 +109,52 @@ def sft_train(
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         if callback is not None:
             t0 = time.perf_counter()
-            callback(step + 1, losses[-1])
+            stop = callback(step + 1, losses[-1])
             in_callback += time.perf_counter() - t0
+            if stop:
+                break
+    bar.close()
     seconds = time.perf_counter() - start - in_callback
     model.train(was_training)
     tail = losses[-20:]
     return {
-        "steps": steps,
+        "steps": len(losses),
         "seconds": seconds,
-        "steps_per_second": steps / seconds if seconds > 0 else float("nan"),
+        "steps_per_second": len(losses) / seconds if seconds > 0 else float("nan"),
         "final_loss": sum(tail) / len(tail) if tail else float("nan"),
         "losses": losses,
     }
+
+
+def sft_to_accuracy(
+    model,
+    tokenizer,
+    problems: list[dict[str, str]],
+    dev: list[dict[str, str]],
+    target: float,
+    max_steps: int,
+    check_every: int = 50,
+    **sft_kwargs: Any,
+) -> dict[str, Any]:
+    """SFT until greedy gold accuracy on ``dev`` reaches ``target``, checked every ``check_every`` steps.
+
+    SFT learns addition in sudden jumps whose timing varies with the seed (and wall time with the
+    machine), so a fixed step count can leave the policy anywhere from 10% to 85%; stopping at a target
+    gives PPO a comparable start. ``dev`` must be problems the policy is not trained on and not the
+    held-out set that later judges PPO (e.g. a slice cut off the train list). Returns ``sft_train``'s
+    stats plus ``reached`` (bool) and ``dev_curve``: ``[(step, accuracy), …]``.
+    """
+    curve: list[tuple[int, float]] = []
+
+    def check(step: int, _loss: float) -> bool:
+        if step % check_every and step != max_steps:
+            return False
+        acc = gold_accuracy(model, tokenizer, dev)["accuracy"]
+        curve.append((step, acc))
+        return acc >= target
+
+    stats = sft_train(model, tokenizer, problems, max_steps, callback=check, **sft_kwargs)
+    return {**stats, "reached": bool(curve) and curve[-1][1] >= target, "dev_curve": curve}
 
 
 @contextmanager

@@ -28,59 +28,68 @@ import random
 from pathlib import Path
 from typing import Any
 
-N_VALUES = 1000  # operands are 0..999
-PROMPT_WIDTH = 8  # len("123+045=")
-MAX_ANSWER_LEN = 4  # "1998"
+DIGITS = 3  # the default task; ``digits=2`` gives the easier variant (for a quick demo)
 PAD, EOS, UNK = "[PAD]", "[EOS]", "[UNK]"
 # Digits and the task's symbols, plus a space and lowercase letters so that a policy drifting off-task
 # (e.g. PPO with β = 0 gaming a reward model) can write something other than digits, visibly.
 CHARACTERS = "0123456789+-= abcdefghijklmnopqrstuvwxyz"
 
 
-def problem(a: int, b: int) -> dict[str, str]:
-    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": str(a + b)}``."""
-    if not (0 <= a < N_VALUES and 0 <= b < N_VALUES):
-        raise ValueError(f"operands must be in 0..{N_VALUES - 1}, got {a} and {b}")
-    return {"prompt": f"{a:03d}+{b:03d}=", "answer": str(a + b)}
+def prompt_width(digits: int = DIGITS) -> int:
+    """Characters (= tokens) in every prompt: two operands, ``+`` and ``=`` (8 for 3 digits)."""
+    return 2 * digits + 2
+
+
+def problem(a: int, b: int, digits: int = DIGITS) -> dict[str, str]:
+    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": str(a + b)}`` (operands zero-padded)."""
+    if digits < 1 or not (0 <= a < 10**digits and 0 <= b < 10**digits):
+        raise ValueError(f"operands must be in 0..{10**digits - 1}, got {a} and {b}")
+    return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": str(a + b)}
 
 
 def solve(prompt: str) -> str:
-    """The gold answer of a prompt ``"aaa+bbb="``; ``ValueError`` for anything else."""
+    """The gold answer of a prompt ``"aaa+bbb="`` (operands of equal width); ``ValueError`` otherwise."""
     left, plus, right = prompt.partition("+")
-    if not (plus and right.endswith("=") and len(left) == 3 and len(right) == 4):
-        raise ValueError(f"not a demo prompt (expected 'aaa+bbb='): {prompt!r}")
     a, b = left, right[:-1]
-    if not (a.isdigit() and b.isdigit() and a.isascii() and b.isascii()):
+    well_formed = plus and right.endswith("=") and len(a) == len(b) > 0
+    if not (well_formed and a.isascii() and b.isascii() and a.isdigit() and b.isdigit()):
         raise ValueError(f"not a demo prompt (expected 'aaa+bbb='): {prompt!r}")
     return str(int(a) + int(b))
 
 
-def make_problems(n: int, seed: int | str, exclude: set[str] | None = None) -> list[dict[str, str]]:
-    """``n`` distinct problems drawn uniformly (seeded) from the 10⁶, skipping prompts in ``exclude``."""
+def make_problems(
+    n: int, seed: int | str, exclude: set[str] | None = None, digits: int = DIGITS
+) -> list[dict[str, str]]:
+    """``n`` distinct problems drawn uniformly (seeded) from all ``10^(2·digits)``, skipping ``exclude``."""
     exclude = exclude or set()
-    if n < 0 or n > N_VALUES * N_VALUES - len(exclude):
-        raise ValueError(f"cannot draw {n} distinct problems (10^6 exist, {len(exclude)} excluded)")
+    size = 10**digits
+    if n < 0 or n > size * size - len(exclude):
+        raise ValueError(f"cannot draw {n} distinct problems ({size * size} exist, {len(exclude)} excluded)")
     rng = random.Random(seed)  # str seeds are hashed deterministically (sha512), so runs repeat
     seen: set[int] = set()
     out = []
     while len(out) < n:
-        k = rng.randrange(N_VALUES * N_VALUES)
+        k = rng.randrange(size * size)
         if k in seen:
             continue
         seen.add(k)
-        p = problem(k // N_VALUES, k % N_VALUES)
+        p = problem(k // size, k % size, digits)
         if p["prompt"] not in exclude:
             out.append(p)
     return out
 
 
-def split_problems(seed: int, n_train: int, n_eval: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def split_problems(
+    seed: int, n_train: int, n_eval: int, digits: int = DIGITS
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Deterministic ``(train, held_out)`` problem lists that never share a prompt.
 
-    Each comes from its own stream, so the held-out set is the same whatever ``n_train`` is.
+    Each comes from its own stream, so the held-out set is the same whatever ``n_train`` is. Cut a
+    development slice off ``train`` (before training) when SFT needs one (``sft_to_accuracy``).
     """
-    held_out = make_problems(n_eval, f"tether-demo/{seed}/held-out")
-    train = make_problems(n_train, f"tether-demo/{seed}/train", exclude={p["prompt"] for p in held_out})
+    held_out = make_problems(n_eval, f"tether-demo/{seed}/held-out", digits=digits)
+    exclude = {p["prompt"] for p in held_out}
+    train = make_problems(n_train, f"tether-demo/{seed}/train", exclude=exclude, digits=digits)
     return train, held_out
 
 

@@ -1,0 +1,260 @@
+"""tether.reward_training: the evaluation (A4) against hand-computed values, a tiny model learning a
+synthetic rule, the CLI end to end (in-process and as a subprocess), every bad input as one line with
+exit code 2, and the atomic write of the output directory (A7)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tether.cli import main
+from tether.data import PreferencePair
+from tether.stats import wilson_interval
+from test_reward_model import save_tiny_bert, save_tiny_gpt2
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def script_rows(n: int, seed: int = 0) -> list[dict]:
+    """Synthetic rule "reply in the prompt's script": the prompt is a word in upper or lower case; the
+    chosen reply is a word in the same case, the rejected one the same word in the other case (so both
+    sides always have the same length: length cannot explain the preference)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 6)))
+        reply = "".join(rng.choice(letters) for _ in range(rng.randint(2, 5)))
+        upper = rng.random() < 0.5
+        rows.append({"prompt": (word.upper() if upper else word) + "?",
+                     "chosen": reply.upper() if upper else reply, "rejected": reply if upper else reply.upper()})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    return save_tiny_gpt2(tmp_path_factory.mktemp("backbone"))
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+class TableScorer:
+    """A fake scorer: a fixed score per reply text."""
+
+    def __init__(self, table: dict[str, float]):
+        self.table = table
+
+    def score(self, prompts, responses, raw=False, batch_size=64):
+        return torch.tensor([self.table[r] for r in responses])
+
+
+def test_evaluate_pairs_matches_hand_computed_values():
+    from tether.reward_training import evaluate_pairs, format_evaluation
+
+    #         chosen  rejected   r_w  r_l   correct  chosen is   model prefers
+    pairs = [("aaaa", "b", 2.0, 1.0),     # yes      longer      longer
+             ("a", "bbbb", 0.0, 1.0),     # no       shorter     longer
+             ("cc", "dd", 1.0, 1.0),      # no (tie) same        -
+             ("eee", "ff", 3.0, 0.0),     # yes      longer      longer
+             ("g", "hhh", 2.0, 1.0),      # yes      shorter     shorter
+             ("iiiiii", "j", -1.0, 0.0)]  # no       longer      shorter
+    scorer = TableScorer({c: sc for c, _, sc, _ in pairs} | {r: sr for _, r, _, sr in pairs})
+    ev = evaluate_pairs(scorer, [PreferencePair("p", c, r) for c, r, _, _ in pairs])
+    assert (ev["n_pairs"], ev["n_correct"], ev["accuracy"], ev["n_ties"]) == (6, 3, 0.5, 1)
+    assert (ev["wilson_low"], ev["wilson_high"]) == wilson_interval(3, 6) and not ev["excludes_chance"]
+    assert ev["mean_margin"] == pytest.approx((1 - 1 + 0 + 3 + 1 - 1) / 6)
+    assert (ev["chosen_longer"]["n"], ev["chosen_longer"]["accuracy"]) == (3, pytest.approx(2 / 3))
+    assert (ev["chosen_shorter"]["n"], ev["chosen_shorter"]["accuracy"]) == (2, 0.5)
+    assert (ev["same_length"]["n"], ev["same_length"]["accuracy"]) == (1, 0.0)
+    assert ev["prefers_longer"] == pytest.approx(3 / 5) and ev["longer_wins_baseline"] == pytest.approx(3 / 5)
+    assert sum(b["n"] for b in ev["by_length"]) == 6
+    assert sum(b["n"] * b["accuracy"] for b in ev["by_length"]) == pytest.approx(3)
+    table = format_evaluation(ev)
+    assert "0.500" in table and "includes 0.5" in table
+
+
+def test_length_penalty_is_the_squared_correlation():
+    from tether.reward_training import length_penalty
+
+    scores, lengths = torch.tensor([1.0, 2.0, 0.5, 4.0]), torch.tensor([3, 5, 2, 4])
+    r = torch.corrcoef(torch.stack([scores, lengths.float()]))[0, 1]
+    assert length_penalty(scores, lengths).item() == pytest.approx(r.item() ** 2, rel=1e-5)
+    assert length_penalty(scores, torch.tensor([3, 3, 3, 3])).item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------- learning
+@pytest.mark.slow
+def test_tiny_model_learns_the_synthetic_rule(tmp_path):
+    from tether.data import pair_from_record
+    from tether.reward_training import RewardTrainingConfig, train_reward_model
+
+    pairs = [pair_from_record(r, f"row {i}") for i, r in enumerate(script_rows(300))]
+    cfg = RewardTrainingConfig(model=str(save_tiny_gpt2(tmp_path / "m", width=64)), output_dir=str(tmp_path / "rm"),
+                               seed=0)
+    cfg.data.max_length = 32
+    cfg.optim.lr, cfg.optim.epochs, cfg.optim.batch_size = 3e-3, 12, 16
+    rm = train_reward_model(cfg, pairs=pairs)
+    ev = json.loads((tmp_path / "rm" / "eval.json").read_text())
+    assert ev == rm.metadata["evaluation"] and ev["n_pairs"] == 60
+    assert ev["accuracy"] >= 0.9 and ev["excludes_chance"]
+
+
+# ----------------------------------------------------------------------------------------------- the CLI
+def test_cli_end_to_end_in_process(tmp_path, backbone, capsys):
+    from transformers import AutoModelForSequenceClassification
+
+    from tether import RewardModel
+
+    rows = script_rows(40)
+    data = write_jsonl(tmp_path / "pairs.jsonl", [*rows[:20], "{broken", *rows[20:]])
+    config = tmp_path / "rm.yaml"
+    config.write_text("seed: 3\noptim:\n  lr: 0.001\n  epochs: 3\ndata:\n  max_length: 8\n", encoding="utf-8")
+    out = tmp_path / "rm"
+    rc = main(["train-rm", "--config", str(config), "--model", str(backbone), "--data", str(data),
+               "--output-dir", str(out), "--epochs", "2", "--batch-size", "8", "--skip-invalid", "--balance-length"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "41 rows read, 40 pairs kept; skipped: 0 identical sides, 0 no shared prompt, 1 invalid" in printed
+    assert "held-out evaluation (8 pairs)" in printed
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tether_reward.json", "eval.json",
+                 "config.yaml"):
+        assert (out / name).is_file(), name
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    # seed, lr from YAML; epochs from the flag over YAML's 3; max_length from YAML
+    assert (saved["seed"], saved["optim"]["lr"], saved["optim"]["epochs"], saved["data"]["max_length"]) == \
+        (3, 0.001, 2, 8)
+    ev = json.loads((out / "eval.json").read_text())
+    assert {"accuracy", "wilson_low", "wilson_high", "n_pairs", "excludes_chance", "mean_margin"} <= set(ev)
+    meta = json.loads((out / "tether_reward.json").read_text())
+    assert meta["data"]["train"] + meta["data"]["held_out"] == 40 and meta["data"]["held_out"] == ev["n_pairs"]
+    assert meta["data"]["prompt_truncated"] > 0 and meta["data"]["reply_truncated"] == 0  # max_length 8
+    assert meta["text_format"] == {"kind": "plain", "separator": "", "max_length": 8,
+                                   "truncation": "prompt from the left, then reply from the right"}
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1
+    rm = RewardModel.from_pretrained(out, device="cpu")
+    # the reference sample is every reply here (held-out + all train pairs, norm_sample 1000 > 32)
+    z = rm.score([r["prompt"] for r in rows for _ in range(2)], [r[k] for r in rows for k in ("chosen", "rejected")])
+    assert abs(z.mean().item()) < 1e-4 and abs(z.std(unbiased=False).item() - 1) < 1e-4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl", "rm", "rm.yaml"]  # no temporary folder
+
+
+@pytest.mark.slow
+def test_cli_subprocess_encoder_with_lora_writes_a_plain_model(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from tether import RewardModel
+
+    data = tmp_path / "pairs.csv"
+    data.write_text("prompt,chosen,rejected\n" + "".join(f"{r['prompt']},{r['chosen']},{r['rejected']}\n"
+                                                         for r in script_rows(30)), encoding="utf-8")
+    out = tmp_path / "rm"
+    bert = save_tiny_bert(tmp_path / "bert")
+    argv = ["train-rm", "--model", str(bert), "--data", str(data), "--output-dir", str(out), "--lora-r", "4",
+            "--lr", "1e-3", "--batch-size", "8", "--max-length", "16"]
+    proc = subprocess.run([sys.executable, "-m", "tether", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out evaluation" in proc.stdout and "LoRA r=4" in proc.stdout
+    assert not (out / "adapter_config.json").exists()  # merged: a plain transformers model
+    plain = AutoModelForSequenceClassification.from_pretrained(out)
+    assert type(plain).__name__ == "BertForSequenceClassification"
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    assert RewardModel.from_pretrained(out, device="cpu").pooling == "model"
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def _bad_cases(tmp: Path, backbone: Path) -> dict[str, tuple[list[str], str]]:
+    good = write_jsonl(tmp / "good.jsonl", script_rows(10))
+    (tmp / "a.txt").write_text("x")
+    write_jsonl(tmp / "badjson.jsonl", [script_rows(1)[0], '{"prompt": "p", "chosen": '])
+    (tmp / "nocol.csv").write_text("prompt,chosen\np,c\n")
+    write_jsonl(tmp / "nofield.jsonl", [{"prompt": "p", "rejected": "r"}])
+    write_jsonl(tmp / "empty.jsonl", [script_rows(1)[0], {"prompt": "p", "chosen": "", "rejected": "r"}])
+    (tmp / "latin1.jsonl").write_bytes(b'{"prompt": "p", "chosen": "c", "rejected": "r"}\n{"prompt": "caf\xe9"}\n')
+    (tmp / "nomodel").mkdir()
+    (tmp / "unknown.yaml").write_text("optim:\n  lrr: 0.1\n")
+    (tmp / "wrongtype.yaml").write_text("optim:\n  lr: fast\n")
+    (tmp / "userdir").mkdir()
+    (tmp / "userdir" / "notes.txt").write_text("precious")
+    return {
+        "missing file": (["--data", str(tmp / "nope.jsonl")], "nope.jsonl: file not found"),
+        "unknown extension": (["--data", str(tmp / "a.txt")], "a.txt: unknown file type '.txt'"),
+        "invalid JSON": (["--data", str(tmp / "badjson.jsonl")], "badjson.jsonl: line 2: invalid JSON"),
+        "missing column": (["--data", str(tmp / "nocol.csv")], "nocol.csv: missing column 'rejected'"),
+        "missing field": (["--data", str(tmp / "nofield.jsonl")], "nofield.jsonl: line 1: missing field 'chosen'"),
+        "empty text": (["--data", str(tmp / "empty.jsonl")], "empty.jsonl: line 2: field 'chosen' is empty"),
+        "non-UTF-8": (["--data", str(tmp / "latin1.jsonl")], "latin1.jsonl: line 2: not UTF-8 text (byte 0xe9)"),
+        "model without config": (["--data", str(good), "--model", str(tmp / "nomodel")],
+                                 "nomodel: not a Hugging Face model directory (no config.json)"),
+        "unknown YAML key": (["--data", str(good), "--config", str(tmp / "unknown.yaml")],
+                             "unknown.yaml: key 'optim.lrr': unknown key 'optim.lrr'"),
+        "YAML wrong type": (["--data", str(good), "--config", str(tmp / "wrongtype.yaml")],
+                            "wrongtype.yaml: key 'optim.lr': expected a number, got 'fast'"),
+        "flag wrong type": (["--data", str(good), "--epochs", "two"], "--epochs: expected an integer, got 'two'"),
+        "out of range": (["--data", str(good), "--eval-fraction", "1.5"], "--eval-fraction: must be <= 0.9, got 1.5"),
+        "not positive": (["--data", str(good), "--lr", "0"], "--lr: must be > 0.0, got 0.0"),
+        "bad choice": (["--data", str(good), "--dtype", "float8"], "--dtype: 'float8' is not one of"),
+        "no data": ([], "--data is required"),
+        "user folder as output": (["--data", str(good), "--output-dir", str(tmp / "userdir")],
+                                  "userdir: exists and is not a tether reward model; refusing to replace it"),
+    }
+
+
+def test_every_bad_input_is_one_line_with_exit_code_2(tmp_path, backbone, capsys):
+    for name, (args, expected) in _bad_cases(tmp_path, backbone).items():
+        base = {"--model": str(backbone), "--output-dir": str(tmp_path / "out")}
+        for i in range(0, len(args), 2):
+            base.pop(args[i], None)
+        argv = ["train-rm", *[x for kv in base.items() for x in kv], *args]
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2, name
+        assert err.count("\n") == 1 and err.startswith("tether train-rm: error: "), (name, err)
+        assert expected in err, (name, err)
+    assert (tmp_path / "userdir" / "notes.txt").read_text() == "precious"
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_flag_is_one_line_with_exit_code_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train-rm", "--lora-rank", "4"])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------- atomic write
+def test_a_crash_while_saving_leaves_the_previous_model_intact(tmp_path, monkeypatch):
+    from test_reward_model import load_rm
+
+    from tether.reward_model import RewardModel
+    from tether.reward_training import RewardTrainingConfig, save_atomically
+
+    out = tmp_path / "rm"
+    cfg = RewardTrainingConfig(model="m", output_dir=str(out))
+    good = load_rm(save_tiny_gpt2(tmp_path / "m"))
+    save_atomically(good, out, cfg, {"accuracy": 0.9})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def crash(self, path, extra=None):
+        (Path(path) / "model.safetensors").write_bytes(b"half a model")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(RewardModel, "save_pretrained", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_atomically(good, out, cfg, {"accuracy": 0.1})
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "rm"]  # no temporary folder left behind
+    monkeypatch.undo()
+    save_atomically(good, out, cfg, {"accuracy": 0.5})  # a good save replaces the old model
+    assert json.loads((out / "eval.json").read_text()) == {"accuracy": 0.5}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "rm"]
