@@ -59,3 +59,14 @@ def test_import_tether_does_not_import_transformers():
     code = "import sys, tether; tether.gae; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_mcnemar_exact_by_hand():
+    from tether.stats import mcnemar_exact
+
+    assert mcnemar_exact(0, 0) == 1.0
+    # 5 vs 0 discordant: p = 2 * (1/32) = 0.0625
+    assert mcnemar_exact(5, 0) == pytest.approx(0.0625)
+    # 10 vs 2: P[X <= 2] for Bin(12, 1/2) = (1 + 12 + 66) / 4096
+    assert mcnemar_exact(2, 10) == pytest.approx(2 * 79 / 4096)
+    assert mcnemar_exact(3, 3) == 1.0

@@ -52,6 +52,18 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar test for paired 0/1 outcomes: ``only_a`` pairs where only A is correct,
+    ``only_b`` where only B is. Under H0 the discordant pairs split Binomial(n, ½):
+    p = min(1, 2·P[X ≤ min(a, b)]), X ~ Bin(a + b, ½). No discordant pairs gives 1."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    k = min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
+
+
 def repetition_rate(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> float:
     """Share of repeated n-grams within responses: 1 − distinct/total n-grams, pooled over rows.
 
@@ -67,4 +79,4 @@ def repetition_rate(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> flo
 
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits", "explained_variance", "wilson_interval",
-           "repetition_rate", "masked_mean"]
+           "mcnemar_exact", "repetition_rate", "masked_mean"]

@@ -1,0 +1,251 @@
+"""``tether demo``: the whole story on a CPU in minutes, with nothing downloaded (SPEC E, B15).
+
+  (a) a character tokenizer and a tiny GPT-2 built from a config;
+  (b) SFT on 3-digit addition (``tether.demo.task``) until the policy is partly competent; its gold
+      accuracy on held-out prompts;
+  (c) preference pairs from real samples of the SFT policy, labelled by the gold rule (correct ≻ wrong);
+  (d) a reward model trained on them (Stage A), its held-out accuracy and the A4 verdict;
+  (e) PPO against the reward model — not the gold rule — with β > 0, and the same run with β = 0;
+      both judged every few steps by the gold rule on held-out prompts;
+  (f) ``DIR/results.json``: curves of both runs, SFT baseline, final accuracies with 95% intervals,
+      a paired test against SFT, stage times;
+  (g) ``DIR/report.html``: the curves side by side and real β = 0 responses with their KL.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+
+@dataclass
+class DemoSettings:
+    """Sizes and budgets of one demo mode (full, or --quick for CI)."""
+
+    n_train: int
+    n_eval: int
+    sft_max_steps: int
+    sft_target: float
+    pair_prompts: int
+    samples_per_prompt: int
+    rm_epochs: int
+    ppo_steps: int
+    ppo_batch: int
+    eval_every: int
+    eval_n: int
+
+
+FULL = DemoSettings(n_train=20000, n_eval=500, sft_max_steps=1400, sft_target=0.55, pair_prompts=1500,
+                    samples_per_prompt=6, rm_epochs=2, ppo_steps=60, ppo_batch=64, eval_every=10, eval_n=250)
+QUICK = DemoSettings(n_train=5000, n_eval=200, sft_max_steps=250, sft_target=0.3, pair_prompts=200,
+                     samples_per_prompt=4, rm_epochs=1, ppo_steps=4, ppo_batch=32, eval_every=2, eval_n=64)
+BETA = 0.05
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--output-dir", default="runs/demo", help="where everything is written [runs/demo]")
+    parser.add_argument("--quick", action="store_true", help="a small version (about 2 minutes) for CI")
+    parser.add_argument("--seed", type=int, default=0, help="random seed [0]")
+
+
+def run(args) -> int:
+    run_demo(Path(args.output_dir), quick=args.quick, seed=args.seed)
+    return 0
+
+
+class Stages:
+    """Prints and records wall time per stage."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        stages = self
+
+        class _Stage:
+            def __enter__(self):
+                print(f"\n== {name}", flush=True)
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                stages.seconds[name] = time.perf_counter() - self.start
+                print(f"   [{name}: {stages.seconds[name]:.1f} s]", flush=True)
+
+        return _Stage()
+
+
+def write_prompts(path: Path, problems: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    return path
+
+
+def fmt_interval(r: dict) -> str:
+    return f"{100 * r['accuracy']:.1f}% [{100 * r['low']:.1f}, {100 * r['high']:.1f}]"
+
+
+def run_demo(out: Path, quick: bool = False, seed: int = 0) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tether.demo.pairs import make_preference_pairs
+    from tether.demo.sft import gold_accuracy, sft_to_accuracy
+    from tether.demo.task import build_policy, build_tokenizer, split_problems
+    from tether.stats import mcnemar_exact
+
+    settings = QUICK if quick else FULL
+    torch.manual_seed(seed)
+    if out.exists():
+        shutil.rmtree(out)  # the demo owns its folder: a rerun starts clean
+    out.mkdir(parents=True)
+    stages = Stages()
+    t_start = time.perf_counter()
+    print(f"tether demo ({'quick' if quick else 'full'}, seed {seed}) -> {out}")
+
+    with stages("a. tokenizer and tiny policy from a config"):
+        tokenizer = build_tokenizer(out / "sft")
+        policy = build_policy(tokenizer, seed=seed)
+        train, held_out = split_problems(seed, settings.n_train, settings.n_eval)
+        dev, train = train[:200], train[200:]
+        print(f"   GPT-2 {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters, "
+              f"{len(tokenizer)}-token character vocabulary; {len(train)} train / {len(held_out)} held-out problems")
+
+    with stages("b. SFT on 3-digit addition"):
+        sft = sft_to_accuracy(policy, tokenizer, train, dev, settings.sft_target, settings.sft_max_steps,
+                              check_every=50, seed=seed)
+        policy.save_pretrained(out / "sft")
+        sft_eval = gold_accuracy(policy, tokenizer, held_out)
+        print(f"   {sft['steps']} SFT steps; held-out gold accuracy (greedy) {fmt_interval(sft_eval)}")
+
+    with stages("c. preference pairs from SFT samples, labelled by the gold rule"):
+        pair_problems = train[: settings.pair_prompts]
+        pairs, pair_stats = make_preference_pairs(policy, tokenizer, pair_problems, settings.samples_per_prompt,
+                                                  temperature=1.0, seed=seed, max_pairs_per_prompt=2)
+        (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+        print(f"   {pair_stats['n_pairs']} pairs from {pair_stats['prompts_with_both']} prompts with both a right "
+              f"and a wrong sample (sample accuracy {100 * pair_stats['sample_accuracy']:.0f}%)")
+
+    with stages("d. reward model (Bradley-Terry) on the pairs"):
+        rm_eval = train_demo_rm(out, pairs, settings, seed)
+
+    ppo_prompts = write_prompts(out / "prompts_train.jsonl", train)
+    eval_prompts = write_prompts(out / "prompts_heldout.jsonl", held_out)
+    runs = {}
+    for name, beta in (("beta_0.05", BETA), ("beta_0", 0.0)):
+        with stages(f"e. PPO against the reward model, beta = {beta}"):
+            runs[name] = run_demo_ppo(out / f"ppo_{name}", out, ppo_prompts, eval_prompts, beta, settings, seed)
+
+    with stages("f. final held-out evaluation and results.json"):
+        finals = {}
+        for name, run_dir in runs.items():
+            model = AutoModelForCausalLM.from_pretrained(run_dir / "policy").eval()
+            final = gold_accuracy(model, tokenizer, held_out)
+            only_ppo = sum(p and not s for p, s in zip(final["correct"], sft_eval["correct"]))
+            only_sft = sum(s and not p for p, s in zip(final["correct"], sft_eval["correct"]))
+            finals[name] = {k: final[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}
+            finals[name].update({"only_ppo_correct": only_ppo, "only_sft_correct": only_sft,
+                                 "mcnemar_p_vs_sft": mcnemar_exact(only_ppo, only_sft)})
+            print(f"   {name}: held-out gold accuracy {fmt_interval(final)} vs SFT {fmt_interval(sft_eval)}; "
+                  f"paired McNemar p = {finals[name]['mcnemar_p_vs_sft']:.3g}")
+        results = {
+            "mode": "quick" if quick else "full", "seed": seed, "settings": asdict(settings), "beta": BETA,
+            "sft": {"steps": sft["steps"], "seconds": sft["seconds"], "dev_curve": sft["dev_curve"],
+                    **{k: sft_eval[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}},
+            "pairs": pair_stats, "reward_model": rm_eval,
+            "runs": {name: {"kl_coef": BETA if name != "beta_0" else 0.0, "curves": curves(run_dir),
+                            "final": finals[name]} for name, run_dir in runs.items()},
+        }
+
+    with stages("g. HTML report"):
+        exhibits = beta0_exhibits(runs["beta_0"])
+        results["beta0_exhibits"] = exhibits
+        from tether.report import write_report
+
+        write_report([runs["beta_0.05"], runs["beta_0"]], out / "report.html",
+                     title="tether demo: PPO on 3-digit addition, beta = 0.05 vs beta = 0",
+                     extra_html=summary_html(results, exhibits))
+    results["stage_seconds"] = stages.seconds
+    results["total_seconds"] = time.perf_counter() - t_start
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    print(f"\ntotal {results['total_seconds']:.0f} s; results in {out / 'results.json'}, report in {out / 'report.html'}")
+    return results
+
+
+def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: int) -> dict:
+    """Stage A on the demo pairs, initialised from the SFT policy (as InstructGPT's RM is)."""
+    from tether.data import PreferencePair
+    from tether.reward_training import RewardTrainingConfig, train_reward_model
+
+    cfg = RewardTrainingConfig()
+    cfg.model, cfg.output_dir, cfg.seed = str(out / "sft"), str(out / "rm"), seed
+    cfg.data.files, cfg.data.format, cfg.data.max_length = ["(demo pairs)"], "plain", 32
+    cfg.optim.lr, cfg.optim.epochs, cfg.optim.batch_size = 1e-3, settings.rm_epochs, 32
+    rm_pairs = [PreferencePair(p["prompt"], p["chosen"], p["rejected"], "demo") for p in pairs]
+    train_reward_model(cfg, rm_pairs)
+    return json.loads((out / "rm" / "eval.json").read_text())
+
+
+def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
+                 settings: DemoSettings, seed: int) -> Path:
+    from tether.ppo_config import RunConfig
+    from tether.ppo_train import train
+
+    cfg = RunConfig()
+    cfg.output_dir, cfg.seed, cfg.steps, cfg.batch_size = str(run_dir), seed, settings.ppo_steps, settings.ppo_batch
+    cfg.model.policy = str(out / "sft")
+    cfg.data.prompts, cfg.data.eval_prompts = str(prompts), str(eval_prompts)
+    cfg.reward.sources, cfg.reward.gold = [str(out / "rm")], "tether.demo.task:gold_reward"
+    cfg.generation.max_new_tokens, cfg.generation.temperature = 8, 1.0
+    cfg.kl.coef, cfg.kl.controller = beta, "fixed"
+    cfg.ppo.epochs, cfg.ppo.mini_batches = 2, 2
+    cfg.optim.lr, cfg.optim.critic_lr = 2e-4, 1e-3
+    cfg.critic.kind, cfg.critic.warmup_steps = "head", 1
+    cfg.eval.every, cfg.eval.n, cfg.eval.samples = settings.eval_every, settings.eval_n, settings.eval_n
+    cfg.validate()
+    return train(cfg)
+
+
+def curves(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    return {"step": [r["step"] for r in rows], "rm_reward": [r["objective/scores_raw"] for r in rows],
+            "kl": [r["objective/kl"] for r in rows], "kl_sequence": [r["objective/kl_sequence"] for r in rows],
+            "response_length": [r["response/length_mean"] for r in rows],
+            "eval_step": [r["step"] for r in evals], "gold_accuracy": [r["eval/accuracy"] for r in evals],
+            "eval_rm_reward": [r["eval/reward"] for r in evals]}
+
+
+def beta0_exhibits(run_dir: Path, k: int = 3) -> list[dict]:
+    """The k held-out responses of the β = 0 run's last evaluation with the highest KL — real
+    responses, whatever they are."""
+    files = sorted((run_dir / "samples").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    if not files:
+        return []
+    samples = [json.loads(line) for line in files[-1].read_text().splitlines()]
+    return sorted(samples, key=lambda s: -s["kl"])[:k]
+
+
+def summary_html(results: dict, exhibits: list[dict]) -> str:
+    e = html.escape
+    sft, rm = results["sft"], results["reward_model"]
+    rows = [("SFT policy", f"{100 * sft['accuracy']:.1f}% [{100 * sft['low']:.1f}, {100 * sft['high']:.1f}]", "", "")]
+    for name, run in results["runs"].items():
+        f = run["final"]
+        rows.append((f"PPO {name.replace('_', ' = ')}", f"{100 * f['accuracy']:.1f}% [{100 * f['low']:.1f}, "
+                     f"{100 * f['high']:.1f}]", f"{f['mcnemar_p_vs_sft']:.3g}", f"{run['curves']['kl'][-1]:.3f}"))
+    table = "".join(f"<tr><td>{e(a)}</td><td>{e(b)}</td><td>{e(c)}</td><td>{e(d)}</td></tr>" for a, b, c, d in rows)
+    ex = "".join(f"<tr><td><code>{e(s['prompt'])}</code></td><td><code>{e(s['response'])}</code></td>"
+                 f"<td>{s['score']:.2f}</td><td>{s['kl']:.2f}</td><td>{'yes' if s.get('correct') else 'no'}</td></tr>"
+                 for s in exhibits)
+    return (f"<p>Gold accuracy on {sft['n']} held-out prompts (greedy, 95% Wilson intervals); reward model "
+            f"held-out accuracy {100 * rm['accuracy']:.1f}% [{100 * rm['wilson_low']:.1f}, {100 * rm['wilson_high']:.1f}] "
+            f"on {rm['n_pairs']} pairs.</p><table><tr><th>policy</th><th>gold accuracy</th><th>McNemar p vs SFT</th>"
+            f"<th>final KL/token</th></tr>{table}</table><h3>beta = 0: the highest-KL held-out responses (real)</h3>"
+            f"<table><tr><th>prompt</th><th>response</th><th>RM score</th><th>KL (nats)</th><th>correct</th></tr>{ex}</table>")
+
+
