@@ -227,3 +227,31 @@ def test_reward_model_source_and_separate_critic_from_it(files, tmp_path):
     torch.testing.assert_close(score_responses(c.sources, prompts, responses, collate_fields(rows)), expected)
     metrics = ppo_step(c, cfg, 1)
     assert torch.isfinite(torch.tensor(metrics["objective/scores"]))
+
+
+def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
+    """The training-side forward (positions from the attention mask, logits / T) scores each sampled
+    token exactly as the sampler's own logits did, for left-padded prompts of different lengths."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tether.models import load_tokenizer
+    from tether.rollout import Rollout, encode_prompts, response_mask_after_eos
+
+    tokenizer = load_tokenizer(files[0])
+    model = AutoModelForCausalLM.from_pretrained(files[0]).eval()
+    query, query_mask = encode_prompts(tokenizer, ["1+2=", "123+456=", "9="], 16, False)
+    assert (query_mask == 0).any()  # really left-padded
+    temperature = 0.7
+    torch.manual_seed(0)
+    out = model.generate(input_ids=query, attention_mask=query_mask, return_dict_in_generate=True,
+                         output_logits=True, generation_config=GenerationConfig(
+                             do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=6,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    response = out.sequences[:, query.shape[1]:]
+    sampler_logits = torch.stack(out.logits, dim=1) / temperature  # (B, T, V) raw logits at each step
+    sampler_logprobs = torch.log_softmax(sampler_logits, -1).gather(-1, response[..., None])[..., 0]
+    mask, ended = response_mask_after_eos(response, [tokenizer.eos_token_id])
+    batch = Rollout(query, query_mask, response, mask, ended)
+    with torch.no_grad():
+        logprobs, _, _ = forward_response(model, batch, temperature)
+    torch.testing.assert_close(logprobs[mask.bool()], sampler_logprobs[mask.bool()], atol=1e-5, rtol=1e-5)

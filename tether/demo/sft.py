@@ -142,7 +142,8 @@ def sft_to_accuracy(
     machine), so a fixed step count can leave the policy anywhere from 10% to 85%; stopping at a target
     gives PPO a comparable start. ``dev`` must be problems the policy is not trained on and not the
     held-out set that later judges PPO (e.g. a slice cut off the train list). Returns ``sft_train``'s
-    stats plus ``reached`` (bool) and ``dev_curve``: ``[(step, accuracy), …]``.
+    stats (``seconds`` excludes the dev checks) plus ``reached`` (bool) and ``dev_curve``:
+    ``[(step, accuracy), …]``.
     """
     curve: list[tuple[int, float]] = []
 
