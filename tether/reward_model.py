@@ -10,7 +10,9 @@ A reward model is any Hugging Face ``AutoModelForSequenceClassification`` with o
 - **Pooling.** Causal LMs: score = head(h_last), h_last the last hidden state at the last position whose
   attention mask is 1. Found from the mask, never by searching for the pad id, so it is right under left,
   right or no padding and when PAD = EOS (HF's own pooling searches for pad_token_id and picks the
-  token *before* a final EOS when PAD = EOS). Encoders (BERT-like) keep their own pooling (the logits).
+  token *before* a final EOS when PAD = EOS). Encoders (BERT-like) keep their own pooling (the logits)
+  unless ``mean`` is asked for: score = head(masked mean of the last hidden states), the pooling that
+  sentence-embedding encoders (MiniLM) were trained with.
 - **Scale (A5).** BT fixes scores only up to a constant, so ``RewardModel`` stores mean/std of raw
   scores on a reference sample and returns z = (r − mean) / std unless ``raw=True``.
 - **Ensembles (A8).** ``RewardEnsemble`` reduces standardised scores by mean or min.
@@ -122,12 +124,38 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right"
 
 
 # ----------------------------------------------------------------------------------------------- pooling
+POOLINGS = ("last_token", "mean", "model")
+
+
 def pooling_of(model) -> str:
     """``"last_token"`` for models with a linear ``score`` head on a decoder (GPT-2, Llama, Qwen, …),
     ``"model"`` (the model's own logits, e.g. BERT's [CLS] pooler + classifier) otherwise."""
     head = getattr(unwrap(model), "score", None)
     head = getattr(head, "original_module", head)  # peft's modules_to_save wrapper keeps the original
     return "last_token" if isinstance(head, torch.nn.Linear) else "model"
+
+
+def linear_head(model):
+    """The one-output linear head that ``last_token``/``mean`` pooling feed: ``score`` (decoders) or
+    ``classifier`` (BERT-like encoders); None when the model has neither as a plain linear layer."""
+    hf = unwrap(model)
+    for name in ("score", "classifier"):
+        head = getattr(hf, name, None)
+        if isinstance(getattr(head, "original_module", head), torch.nn.Linear):
+            return head  # the peft wrapper itself when there is one: it routes to the trained copy
+    return None
+
+
+def check_pooling(model, pooling: str) -> str:
+    """``pooling`` resolved (``"auto"`` → :func:`pooling_of`) and checked against the model's head."""
+    if pooling == "auto":
+        return pooling_of(model)
+    if pooling not in POOLINGS:
+        raise TetherError(f"pooling must be auto or one of {', '.join(POOLINGS)}, got {pooling!r}")
+    if pooling != "model" and linear_head(model) is None:
+        raise TetherError(f"pooling '{pooling}' needs a linear 'score' or 'classifier' head; "
+                          f"{type(unwrap(model)).__name__} has neither (use pooling 'model')")
+    return pooling
 
 
 def unwrap(model):
@@ -145,7 +173,9 @@ def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
     ``last_token``: r = w·h[b, t_b] (+ bias), t_b = the last t with attention_mask[b, t] = 1, so padding on
     either side, or none, gives the same score; position ids count real tokens only (cumsum of the mask)
-    so left padding does not shift positions. ``model``: the model's own pooled logits.
+    so left padding does not shift positions. ``mean``: r = w·(Σ_t m[b,t]·h[b,t] / Σ_t m[b,t]) (+ bias),
+    every real token (special ones included, as sentence-transformers does). ``model``: the model's own
+    pooled logits.
     """
     if pooling == "model":
         return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
@@ -157,10 +187,14 @@ def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     if _accepts(body, "use_cache"):
         kwargs["use_cache"] = False
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state  # (B, T, H)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
-    last = (positions * attention_mask).argmax(-1)  # (B,) last position with mask 1
-    pooled = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]  # (B, H)
-    return hf.score(pooled)[:, 0].float()  # (B,)
+    if pooling == "mean":
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)  # (B, H)
+    else:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+        last = (positions * attention_mask).argmax(-1)  # (B,) last position with mask 1
+        pooled = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]  # (B, H)
+    return linear_head(model)(pooled)[:, 0].float()  # (B,)
 
 
 # ------------------------------------------------------------------------------------------------ loading

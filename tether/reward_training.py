@@ -2,8 +2,10 @@
 
 ``train_reward_model(cfg)`` reads in the order it runs:
 
-1. load preference pairs (A3) and split them by prompt (held-out prompts are never trained on);
-2. load the backbone with a one-output head (A1), optionally LoRA with the head fully trained (A6);
+1. load preference pairs (A3) and split them by prompt (held-out prompts are never trained on); with
+   ``--dev-fraction`` a dev split is carved from the train pairs and evaluated instead of the held-out ones;
+2. load the backbone with a one-output head (A1), optionally LoRA with the head fully trained (A6), and
+   the pooling (``auto``, ``last_token``, ``mean``, ``model``);
 3. tokenise every pair with the reply kept (the prompt is cut from the left when too long);
 4. train with L = −mean log σ(r_w − r_l − m) (A2), plus an optional length regulariser;
 5. merge LoRA, then store mean/std of raw scores on a reference sample (A5);
@@ -51,6 +53,10 @@ class DataOptions:
     separator: str = option("", "text between prompt and reply in the plain format", flag="--separator")
     balance_length: bool = option(False, "train on a subset where chosen-longer and chosen-shorter pairs "
                                   "are equally frequent", flag="--balance-length")
+    dev_fraction: float = option(0.0, "carve a dev split (by prompt) of this share from the train pairs, train on "
+                                 "the rest and evaluate on it instead of the held-out pairs (to choose settings "
+                                 "without looking at the held-out pairs); 0 = off", low=0.0, high=0.9,
+                                 flag="--dev-fraction")
     max_pairs: int = option(0, "use only the first N usable pairs (0 = all)", low=0, flag="--max-pairs")
     skip_invalid: bool = option(False, "skip (and count) bad data rows instead of stopping",
                                 flag="--skip-invalid")
@@ -66,6 +72,8 @@ class OptimOptions:
     warmup_ratio: float = option(0.05, "share of steps with linear warm-up (then linear decay to 0)",
                                  low=0.0, high=1.0, flag="--warmup-ratio")
     max_grad_norm: float = option(1.0, "gradient-norm clip", low=0.0, low_open=True, flag="--max-grad-norm")
+    group_by_length: bool = option(False, "batch pairs of similar token length (less padding, same pairs; the "
+                                   "batch order stays shuffled)", flag="--group-by-length")
 
 
 @dataclass
@@ -95,6 +103,12 @@ class RewardTrainingConfig:
     device: str = option("auto", "auto (cuda if available), cpu, cuda, cuda:N", flag="--device")
     dtype: str = option("float32", "dtype of frozen weights and compute; trainable weights stay fp32",
                         choices=tuple(DTYPES), flag="--dtype")
+    pooling: str = option("auto", "text -> one vector for the head: auto (last token for causal LMs, the model's "
+                          "own head for encoders), last_token, mean (masked mean of the last hidden states, "
+                          "what sentence encoders such as MiniLM were trained for), model",
+                          choices=("auto", "last_token", "mean", "model"), flag="--pooling")
+    disable_dropout: bool = option(False, "set every dropout probability to 0 during training (as TRL does), so "
+                                   "chosen and rejected see the same network", flag="--disable-dropout")
     norm_sample: int = option(1000, "train pairs added to the held-out ones for the score mean/std", low=0,
                               flag="--norm-sample")
     eval_batch_size: int = option(32, "texts per forward pass when scoring", low=1, flag="--eval-batch-size")
@@ -132,7 +146,7 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
     """Run Stage A; returns the trained :class:`~tether.reward_model.RewardModel` (also saved in
     ``cfg.output_dir``). ``pairs`` replaces ``cfg.data.files`` (e.g. the demo's generated pairs)."""
     from tether.presets import resolve_model_path
-    from tether.reward_model import RewardModel, add_lora, choose_format, ensure_pad_token, \
+    from tether.reward_model import RewardModel, add_lora, check_pooling, choose_format, ensure_pad_token, \
         load_sequence_classifier, load_tokenizer
 
     started = time.perf_counter()
@@ -153,6 +167,13 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
                  "held_out_prompts": len({p.prompt for p in held_out})}
     print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
           f"({data_info['held_out_prompts']} held-out prompts, never trained on)")
+    data_info["evaluated_on"] = "held_out"
+    if cfg.data.dev_fraction:
+        # The held-out pairs are set aside untouched; settings are compared on prompts carved from train.
+        train, held_out = split_pairs(train, cfg.data.dev_fraction, cfg.seed)
+        data_info.update(evaluated_on="dev", train=len(train), dev=len(held_out))
+        print(f"dev split: training on {len(train)} pairs, evaluating on {len(held_out)} dev pairs carved from "
+              f"the train side; the {data_info['held_out']} held-out pairs are not used")
     if cfg.data.balance_length:
         n_before = len(train)
         train = balance_by_length(train, cfg.seed)
@@ -167,13 +188,18 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
     ensure_pad_token(tokenizer, model)
     if lora:
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    pooling = check_pooling(model, cfg.pooling)
+    if cfg.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     model.to(device)
     max_length = clamp_max_length(cfg.data.max_length, model)
     text_format = choose_format(tokenizer, cfg.data.format, cfg.data.separator, max_length)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model: {model_path} ({type(model).__name__ if not lora else 'LoRA r=' + str(cfg.lora.r)}), "
           f"{n_trainable:,} trainable parameters, head {'new (random init)' if head_is_new else 'from checkpoint'}, "
-          f"{text_format.kind} format, max_length {max_length}, device {device}")
+          f"{text_format.kind} format, max_length {max_length}, {pooling} pooling, device {device}")
 
     # 3. tokens
     encoded = [(text_format.encode(tokenizer, p.prompt, p.chosen), text_format.encode(tokenizer, p.prompt, p.rejected))
@@ -185,13 +211,13 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
           f"left, {data_info['reply_truncated']} the reply cut; no pair dropped")
 
     # 4. train
-    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id)
+    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id, pooling)
 
     # 5. a plain model + scale
     if lora:
         model = model.merge_and_unload()
     model.to(DTYPES[cfg.dtype]).eval()
-    rm = RewardModel(model, tokenizer, text_format)
+    rm = RewardModel(model, tokenizer, text_format, pooling)
     sample = reference_sample(train, held_out, cfg.norm_sample, cfg.seed)
     raw = rm.score([p for p, _ in sample], [r for _, r in sample], raw=True, batch_size=cfg.eval_batch_size)
     rm.set_normalization(raw, f"chosen and rejected replies of all {len(held_out)} held-out pairs and "
@@ -200,6 +226,7 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
 
     # 6. evaluate
     evaluation = evaluate_pairs(rm, held_out, batch_size=cfg.eval_batch_size)
+    evaluation["split"] = data_info["evaluated_on"]
     print(format_evaluation(evaluation))
 
     # 7. save
@@ -240,14 +267,33 @@ def length_penalty(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return ((s * l).sum() / denom) ** 2
 
 
-def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, pad_id: int) -> list[dict]:
+def pair_batches(lengths: list[int], batch_size: int, generator: torch.Generator, group_by_length: bool
+                 ) -> list[list[int]]:
+    """One epoch of batches (lists of pair indices), every pair exactly once, in shuffled order.
+
+    ``group_by_length``: shuffle, cut into chunks of 50 batches, sort each chunk by ``lengths`` (the pair's
+    longer text, in tokens), cut into batches and shuffle the batches: padding shrinks to the spread
+    inside a batch while which pairs meet stays random (Hugging Face's group_by_length does the same).
+    """
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    if not group_by_length:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunk = 50 * batch_size
+    order = [i for lo in range(0, len(order), chunk)
+             for i in sorted(order[lo:lo + chunk], key=lambda j: -lengths[j])]
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
+               pooling: str | None = None) -> list[dict]:
     """AdamW over shuffled batches of pairs; chosen and rejected of a batch share one forward pass.
     ``encoded``: list of ``(Encoded chosen, Encoded rejected)``. Returns per-step ``{"loss", "accuracy"}``."""
     from tqdm.auto import tqdm
 
     from tether.reward_model import pad_batch, pooled_scores, pooling_of
 
-    pooling = pooling_of(model)
+    pooling = pooling or pooling_of(model)
     opt_cfg = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
@@ -263,9 +309,9 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     history: list[dict] = []
     model.train()
     bar = tqdm(total=steps, desc="train-rm", unit="step", mininterval=1.0)
+    lengths = [max(len(c.ids), len(r.ids)) for c, r in encoded]
     for _ in range(opt_cfg.epochs):
-        order = torch.randperm(len(encoded), generator=generator).tolist()
-        batches = [order[i:i + opt_cfg.batch_size] for i in range(0, len(order), opt_cfg.batch_size)]
+        batches = pair_batches(lengths, opt_cfg.batch_size, generator, opt_cfg.group_by_length)
         for first in range(0, len(batches), opt_cfg.grad_accum):
             group = batches[first:first + opt_cfg.grad_accum]
             n_pairs = sum(len(b) for b in group)
@@ -393,7 +439,7 @@ def format_evaluation(ev: dict) -> str:
         acc = "   -  " if g["accuracy"] is None else f"{g['accuracy']:.3f}"
         return f"  {name:<22} n={g['n']:<6} accuracy {acc}  [{g['wilson_low']:.3f}, {g['wilson_high']:.3f}]"
 
-    lines = [f"held-out evaluation ({ev['n_pairs']} pairs)",
+    lines = [f"{'dev' if ev.get('split') == 'dev' else 'held-out'} evaluation ({ev['n_pairs']} pairs)",
              f"  accuracy               {ev['accuracy']:.3f}  Wilson 95% [{ev['wilson_low']:.3f}, "
              f"{ev['wilson_high']:.3f}]  interval {verdict}",
              f"  mean margin            {ev['mean_margin']:+.4f} (raw score units)",
