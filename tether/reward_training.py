@@ -309,9 +309,9 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     history: list[dict] = []
     model.train()
     bar = tqdm(total=steps, desc="train-rm", unit="step", mininterval=1.0)
-    lengths = [max(len(c.ids), len(r.ids)) for c, r in encoded]
+    pair_tokens = [max(len(c.ids), len(r.ids)) for c, r in encoded]
     for _ in range(opt_cfg.epochs):
-        batches = pair_batches(lengths, opt_cfg.batch_size, generator, opt_cfg.group_by_length)
+        batches = pair_batches(pair_tokens, opt_cfg.batch_size, generator, opt_cfg.group_by_length)
         for first in range(0, len(batches), opt_cfg.grad_accum):
             group = batches[first:first + opt_cfg.grad_accum]
             n_pairs = sum(len(b) for b in group)
@@ -324,8 +324,8 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
                 s_w, s_l = scores[: len(batch)], scores[len(batch):]
                 loss = bradley_terry_loss(s_w, s_l, cfg.loss.margin or None)
                 if cfg.loss.length_reg:
-                    lengths = torch.tensor([e.n_reply_tokens for e in chosen + rejected], device=device)
-                    loss = loss + cfg.loss.length_reg * length_penalty(scores, lengths)
+                    reply_tokens = torch.tensor([e.n_reply_tokens for e in chosen + rejected], device=device)  # (2B,)
+                    loss = loss + cfg.loss.length_reg * length_penalty(scores, reply_tokens)
                 # weight by batch size so that accumulation equals one big batch
                 scaler.scale(loss * len(batch) / n_pairs).backward()
                 loss_sum += loss.item() * len(batch)
