@@ -170,21 +170,36 @@ def test_resume_equals_uninterrupted_run(files, tmp_path):
     from safetensors.torch import load_file
 
     straight = tiny_config(tmp_path / "a", *files, steps=4, save_every=2, model__lora_r=4, eval__every=2,
-                           eval__n=8, reward__normalize="running", data__eval_fraction=0.25)
+                           eval__n=8, reward__normalize="running", data__eval_fraction=0.25, eval__at_start=True)
     train(straight)
     first = tiny_config(tmp_path / "b", *files, steps=2, save_every=2, model__lora_r=4, eval__every=2,
-                        eval__n=8, reward__normalize="running", data__eval_fraction=0.25)
+                        eval__n=8, reward__normalize="running", data__eval_fraction=0.25, eval__at_start=True)
     train(first)
     resumed = copy.deepcopy(first)
     resumed.steps = 4
     train(resumed, resume=True)
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
     rows_a, rows_b = _rows(a), _rows(b)
-    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows_b] == [0, 1, 2, 3, 4]  # the step-0 baseline once, not again on resume
     assert rows_a == rows_b
     wa, wb = load_file(str(a / "policy" / "model.safetensors")), load_file(str(b / "policy" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert (a / "samples" / "step_4.jsonl").read_text() == (b / "samples" / "step_4.jsonl").read_text()
+
+
+def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
+    from tether.ppo_train import evaluate
+
+    cfg = tiny_config(tmp_path, *files, steps=1, eval__every=1, eval__n=8, eval__at_start=True,
+                      data__eval_fraction=0.25)
+    run = train(cfg)
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert set(rows[0]) == {"step", "eval/reward", "eval/n", "eval/kl_sequence"}
+    assert rows[0]["eval/kl_sequence"] == 0.0  # nothing trained yet: policy == reference
+    fresh, _ = evaluate(setup(cfg), cfg, 0)  # the same initial policy, evaluated on its own
+    assert rows[0]["eval/reward"] == pytest.approx(fresh["eval/reward"], abs=1e-6)
+    assert (run / "samples" / "step_0.jsonl").is_file() and (run / "samples" / "step_1.jsonl").is_file()
 
 
 def test_toy_reward_rises_with_kl_tether(files, tmp_path):

@@ -77,6 +77,7 @@ def test_evaluate_pairs_matches_hand_computed_values():
     assert (ev["chosen_longer"]["n"], ev["chosen_longer"]["accuracy"]) == (3, pytest.approx(2 / 3))
     assert (ev["chosen_shorter"]["n"], ev["chosen_shorter"]["accuracy"]) == (2, 0.5)
     assert (ev["same_length"]["n"], ev["same_length"]["accuracy"]) == (1, 0.0)
+    assert ev["length_balanced_accuracy"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert ev["prefers_longer"] == pytest.approx(3 / 5) and ev["longer_wins_baseline"] == pytest.approx(3 / 5)
     assert sum(b["n"] for b in ev["by_length"]) == 6
     assert sum(b["n"] * b["accuracy"] for b in ev["by_length"]) == pytest.approx(3)
@@ -91,6 +92,57 @@ def test_length_penalty_is_the_squared_correlation():
     r = torch.corrcoef(torch.stack([scores, lengths.float()]))[0, 1]
     assert length_penalty(scores, lengths).item() == pytest.approx(r.item() ** 2, rel=1e-5)
     assert length_penalty(scores, torch.tensor([3, 3, 3, 3])).item() == 0.0
+
+
+def test_length_expert_logit_by_hand():
+    from tether.reward_training import length_expert_logit
+
+    got = length_expert_logit(torch.tensor(0.5), torch.tensor([8, 3, 0]), torch.tensor([2, 3, 4]))
+    # 0.5 * ln(8/2), 0.5 * ln(3/3), 0.5 * ln(1/4) (an empty reply counts as one token)
+    assert torch.allclose(got, torch.tensor([0.5 * 1.3862944, 0.0, -0.5 * 1.3862944]), atol=1e-6)
+
+
+def test_fit_length_expert_is_the_length_only_bt_maximum():
+    from tether.reward_training import fit_length_expert
+
+    # 3 of 4 pairs with log-ratio +1 won by the longer side: 3 (1 - s(w)) = s(w)  =>  w = ln 3
+    assert fit_length_expert(torch.tensor([1.0, 1.0, 1.0, -1.0]), ridge=0.0) == pytest.approx(1.0986123, abs=1e-6)
+    d = torch.randn(200, generator=torch.Generator().manual_seed(0)).double() + 0.3
+    grid = torch.linspace(-3, 3, 60001, dtype=torch.float64)
+    objective = torch.nn.functional.logsigmoid(grid[:, None] * d[None, :]).sum(1) - 0.5 * 0.1 * grid ** 2
+    assert fit_length_expert(d, ridge=0.1) == pytest.approx(grid[objective.argmax()].item(), abs=2e-4)
+
+
+def length_mostly_pairs(n: int, seed: int = 0) -> list[PreferencePair]:
+    """The longer reply wins 80% of pairs; the words are random: length is the only signal."""
+    rng = random.Random(seed)
+    words = lambda k: " ".join("".join(rng.choice("abcdefgh") for _ in range(3)) for _ in range(k))  # noqa: E731
+    pairs = []
+    for i in range(n):
+        long, short = words(rng.randint(4, 7)), words(rng.randint(1, 3))
+        pairs.append(PreferencePair(f"q{i}?", long, short) if rng.random() < 0.8 else
+                     PreferencePair(f"q{i}?", short, long))
+    return pairs
+
+
+@pytest.mark.slow
+def test_length_expert_carries_the_length_preference_instead_of_the_model(tmp_path):
+    """On data where only length predicts, the plain BT model becomes a length detector; with the length
+    expert, w takes the length preference and the reward model's own scores keep far less of it."""
+    from tether.reward_training import RewardTrainingConfig, train_reward_model
+
+    prefers_longer, weights = {}, {}
+    for expert in (False, True):
+        cfg = RewardTrainingConfig(model=str(save_tiny_gpt2(tmp_path / f"m{expert}")), seed=0,
+                                   output_dir=str(tmp_path / f"rm{expert}"))
+        cfg.data.max_length, cfg.loss.length_expert = 48, expert
+        cfg.optim.lr, cfg.optim.epochs, cfg.optim.batch_size = 3e-3, 4, 16
+        rm = train_reward_model(cfg, pairs=length_mostly_pairs(300))
+        prefers_longer[expert] = rm.metadata["evaluation"]["prefers_longer"]
+        weights[expert] = rm.metadata["run"].get("length_expert_w")
+    assert weights[False] is None and weights[True] > 0.5
+    assert prefers_longer[False] > 0.9  # the trap, reproduced
+    assert prefers_longer[True] < prefers_longer[False] - 0.2, (prefers_longer, weights)
 
 
 # --------------------------------------------------------------------------------------------- learning

@@ -47,7 +47,7 @@ class PhaseTimer:
 def rollout_batch(c, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
     """Encode prompts, sample responses with the (unwrapped) policy, decode the valid response tokens."""
     query, query_mask = encode_prompts(c.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
-                                       c.use_chat_template)
+                                       c.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
     g = cfg.generation
     batch = generate(c.unwrapped_policy, c.tokenizer, query.to(c.device), query_mask.to(c.device),
                      g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy,

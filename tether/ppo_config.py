@@ -38,6 +38,11 @@ class DataConfig:
     chat_template: str = option("auto", "wrap prompts in the tokenizer's chat template",
                                 choices=("auto", "on", "off"))
     max_prompt_length: int = option(256, "prompts longer than this (tokens) are cut from the left", low=1)
+    system_prompt: str = option("", "system turn for the policy's chat template ('' = the template's default); "
+                                "needs a chat template", flag="--system-prompt")
+    prompt_template: str = option("{prompt}", "what the policy is asked: '{prompt}' is replaced by the prompt "
+                                  "(the last user turn of a transcript); reward models and rules still see "
+                                  "the original prompt", flag="--prompt-template")
 
 
 @dataclass
@@ -133,6 +138,8 @@ class EvalConfig:
     every: int = option(0, "evaluate every N steps (and at the end); 0 = never", low=0, flag="--eval-every")
     n: int = option(64, "held-out prompts per evaluation", low=1, flag="--eval-n")
     greedy: bool = option(True, "greedy decoding for evaluation (else sample at --temperature)")
+    at_start: bool = option(False, "also evaluate before the first step: a step-0 row in metrics.jsonl, the "
+                            "baseline the trend starts from", flag="--eval-at-start")
     samples: int = option(16, "responses written to samples/step_K.jsonl", low=0)
 
 
@@ -170,6 +177,8 @@ class RunConfig:
             raise ConfigError("--prompts: required (a prompt file)")
         if not self.reward.sources:
             raise ConfigError("--reward: at least one reward source is required")
+        if "{prompt}" not in self.data.prompt_template:
+            raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")

@@ -158,6 +158,9 @@ def setup(cfg) -> Components:
         cfg.data.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None)))
     if cfg.data.chat_template == "on" and not getattr(tokenizer, "chat_template", None):
         raise TetherError(f"--policy {cfg.model.policy}: data.chat_template=on but the tokenizer has no chat template")
+    if cfg.data.system_prompt and not use_chat_template:
+        raise TetherError(f"--system-prompt: the policy {cfg.model.policy} is not prompted through a chat template "
+                          "(data.chat_template); put the instruction in --prompt-template instead")
 
     policy_params = [p for p in policy.model.parameters() if p.requires_grad]
     critic_params = [p for p in critic.parameters() if p.requires_grad]

@@ -25,6 +25,15 @@ from tether.rewards import call_rule, score_responses
 from tether.rollout import forward_response
 
 
+def evaluate_and_save(c, cfg, run_dir: Path, step: int) -> dict:
+    """Evaluate on the main process and write ``samples/step_K.jsonl``; the eval metrics (empty elsewhere)."""
+    eval_metrics, samples = evaluate(c, cfg, step) if c.is_main else ({}, [])
+    if c.is_main and samples:
+        path = run_dir / "samples" / f"step_{step}.jsonl"
+        path.write_text("".join(json.dumps(s) + "\n" for s in samples[: cfg.eval.samples]), encoding="utf-8")
+    return eval_metrics
+
+
 @torch.no_grad()
 def evaluate(c, cfg, step: int) -> tuple[dict, list[dict]]:
     """Mean reward and gold accuracy on held-out prompts (B13), with per-response samples."""
@@ -140,15 +149,14 @@ def train(cfg, resume: bool = False) -> Path:
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="ppo", initial=start, total=cfg.steps,
                disable=not (cfg.progress and c.is_main), dynamic_ncols=True)
     stopped_by_alarm = False
+    if cfg.eval.every and cfg.eval.at_start and start == 0:
+        baseline = evaluate_and_save(c, cfg, run_dir, 0)
+        if c.is_main:
+            write_jsonl(metrics_path, {"step": 0, **baseline})
     for step in bar:
         metrics = ppo_step(c, cfg, step)
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
-            eval_metrics, samples = evaluate(c, cfg, step) if c.is_main else ({}, [])
-            metrics.update(eval_metrics)
-            if c.is_main and samples:
-                path = run_dir / "samples" / f"step_{step}.jsonl"
-                path.write_text("".join(json.dumps(s) + "\n" for s in samples[: cfg.eval.samples]),
-                                encoding="utf-8")
+            metrics.update(evaluate_and_save(c, cfg, run_dir, step))
         row = {"step": step, **metrics}
         alerts = monitor.update(step, row)
         if c.is_main:

@@ -90,6 +90,10 @@ class LossOptions:
     margin: float = option(0.0, "BT margin m in -log sigmoid(r_w - r_l - m)", low=0.0, flag="--margin")
     length_reg: float = option(0.0, "weight of corr(score, reply length)^2 per batch", low=0.0,
                                flag="--length-reg")
+    length_expert: bool = option(False, "train on P(chosen) = sigmoid(r_c - r_r + w * (log len_c - log len_r)), "
+                                 "w fitted on length alone first and frozen; scores are r alone: the "
+                                 "length-controlled preference (keeps every pair, unlike --balance-length)",
+                                 flag="--length-expert")
 
 
 @dataclass
@@ -232,6 +236,9 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
     # 7. save
     run_info = {"seconds": round(time.perf_counter() - started, 2), "peak_rss_mb": peak_rss_mb(),
                 "final_train_loss": history[-1]["loss"] if history else None}
+    if history and "length_expert_w" in history[-1]:
+        run_info["length_expert_w"] = history[-1]["length_expert_w"]
+        print(f"length expert: w = {run_info['length_expert_w']:+.3f} per unit of log length ratio (not in the reward)")
     if device.type == "cuda":
         run_info["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     rm.metadata.update({"training": config_to_dict(cfg), "data": data_info, "evaluation": evaluation,
@@ -267,6 +274,32 @@ def length_penalty(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return ((s * l).sum() / denom) ** 2
 
 
+def fit_length_expert(log_ratio: torch.Tensor, ridge: float = 1e-3, iterations: int = 50) -> float:
+    """The length-only Bradley-Terry model: w = argmax_w sum_i log sigmoid(w * d_i) - ridge/2 * w^2, with
+    d_i = log l_chosen - log l_rejected of train pair i (Newton's method; the problem is 1-D and concave;
+    the ridge keeps w finite when length separates the pairs)."""
+    d = log_ratio.double()
+    w = torch.zeros((), dtype=torch.float64)
+    for _ in range(iterations):
+        p = torch.sigmoid(-w * d)  # d/dw log sigmoid(w d) = d * sigmoid(-w d)
+        grad = (d * p).sum() - ridge * w
+        hess = -(d * d * p * (1 - p)).sum() - ridge
+        w = w - grad / hess
+    return float(w)
+
+
+def length_expert_logit(weight: torch.Tensor, reply_tokens_chosen: torch.Tensor,
+                        reply_tokens_rejected: torch.Tensor) -> torch.Tensor:
+    """The length expert's share of the pair's logit, w * (log l_c - log l_r), reply lengths in tokens
+    (clamped to >= 1). Added to r_c - r_r in training only (a product of experts, Shen et al. 2023, with a
+    one-parameter expert fitted beforehand by :func:`fit_length_expert`): the length-explained part of a
+    preference is carried by w, so the reward model learns the residual, and scoring with r alone is the
+    length-controlled preference."""
+    log_c = reply_tokens_chosen.clamp(min=1).float().log()
+    log_r = reply_tokens_rejected.clamp(min=1).float().log()
+    return weight * (log_c - log_r)
+
+
 def pair_batches(lengths: list[int], batch_size: int, generator: torch.Generator, group_by_length: bool
                  ) -> list[list[int]]:
     """One epoch of batches (lists of pair indices), every pair exactly once, in shuffled order.
@@ -297,6 +330,11 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     opt_cfg = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
+    length_w = None
+    if cfg.loss.length_expert:  # fitted once, then frozen: the model learns what length does not explain
+        tokens = torch.tensor([[c.n_reply_tokens, r.n_reply_tokens] for c, r in encoded])
+        length_w = torch.tensor(fit_length_expert(length_expert_logit(torch.tensor(1.0), tokens[:, 0], tokens[:, 1])),
+                                device=device)
     batches_per_epoch = math.ceil(len(encoded) / opt_cfg.batch_size)
     steps = opt_cfg.epochs * math.ceil(batches_per_epoch / opt_cfg.grad_accum)
     warmup = int(opt_cfg.warmup_ratio * steps)
@@ -322,9 +360,11 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
                 with torch.autocast(**autocast):
                     scores = pooled_scores(model, ids.to(device), mask.to(device), pooling)  # (2B,)
                 s_w, s_l = scores[: len(batch)], scores[len(batch):]
-                loss = bradley_terry_loss(s_w, s_l, cfg.loss.margin or None)
+                reply_tokens = torch.tensor([e.n_reply_tokens for e in chosen + rejected], device=device)  # (2B,)
+                expert = 0.0 if length_w is None else length_expert_logit(
+                    length_w, reply_tokens[: len(batch)], reply_tokens[len(batch):])
+                loss = bradley_terry_loss(s_w + expert, s_l, cfg.loss.margin or None)
                 if cfg.loss.length_reg:
-                    reply_tokens = torch.tensor([e.n_reply_tokens for e in chosen + rejected], device=device)  # (2B,)
                     loss = loss + cfg.loss.length_reg * length_penalty(scores, reply_tokens)
                 # weight by batch size so that accumulation equals one big batch
                 scaler.scale(loss * len(batch) / n_pairs).backward()
@@ -337,6 +377,8 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             history.append({"loss": loss_sum / n_pairs, "accuracy": correct / n_pairs})
+            if length_w is not None:
+                history[-1]["length_expert_w"] = float(length_w)
             bar.update(1)
             bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", acc=f"{history[-1]['accuracy']:.2f}", refresh=False)
     bar.close()
@@ -395,7 +437,9 @@ def evaluate_pairs(scorer, pairs: list[PreferencePair], batch_size: int = 64) ->
     and whether it excludes 0.5; mean margin E[r_w − r_l] in raw units (σ(margin) is the model's
     P(chosen ≻ rejected)); accuracy when the chosen reply is the longer / the shorter one (characters);
     the share of unequal-length pairs where the model prefers the longer reply, beside the accuracy of
-    "always prefer the longer one"; accuracy per quartile of the longer reply's length.
+    "always prefer the longer one"; the length-balanced accuracy (the mean of the chosen-longer and
+    chosen-shorter accuracies: any rule that looks only at length scores 0.5 on it); accuracy per quartile of
+    the longer reply's length.
     """
     if not pairs:
         raise TetherError("no held-out pairs to evaluate")
@@ -420,11 +464,15 @@ def evaluate_pairs(scorer, pairs: list[PreferencePair], batch_size: int = 64) ->
         "mean_margin": margin.mean().item(), "n_ties": int((margin == 0).sum()),
         "chosen_longer": _group(correct[len_w > len_l]), "chosen_shorter": _group(correct[len_w < len_l]),
         "same_length": _group(correct[~differ]),
+        "length_balanced_accuracy": None,
         "prefers_longer": picks_longer[differ].float().mean().item() if differ.any() else None,
         "longer_wins_baseline": (len_w > len_l)[differ].float().mean().item() if differ.any() else None,
         "by_length": [{"chars": [bounds[b], bounds[b + 1]], **_group(correct[bucket == b])}
                       for b in range(len(bounds) - 1) if (bucket == b).any()],
     }
+    halves = (result["chosen_longer"]["accuracy"], result["chosen_shorter"]["accuracy"])
+    if None not in halves:  # "always longer" and "always shorter" both score exactly 0.5 here
+        result["length_balanced_accuracy"] = sum(halves) / 2
     if getattr(scorer, "std", None):
         result["mean_margin_standardised"] = result["mean_margin"] / scorer.std
     return result
@@ -445,6 +493,9 @@ def format_evaluation(ev: dict) -> str:
              f"  mean margin            {ev['mean_margin']:+.4f} (raw score units)",
              row("chosen is longer", ev["chosen_longer"]), row("chosen is shorter", ev["chosen_shorter"]),
              row("same length", ev["same_length"])]
+    if ev.get("length_balanced_accuracy") is not None:
+        lines.append(f"  length-balanced        {ev['length_balanced_accuracy']:.3f} (mean of the longer/shorter rows; "
+                     f"length alone scores 0.500)")
     if ev["prefers_longer"] is not None:
         lines.append(f"  prefers longer reply   {ev['prefers_longer']:.3f} of unequal-length pairs "
                      f"('always longer' would score {ev['longer_wins_baseline']:.3f})")

@@ -46,17 +46,36 @@ class Rollout:
                           for f in fields(self)})
 
 
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, use_chat_template: bool):
-    """Token ids (B, P) left-padded and their mask; long prompts keep their last ``max_prompt_length`` tokens."""
+def prompt_messages(prompt: str, system_prompt: str = "", template: str = "{prompt}") -> list[dict[str, str]]:
+    """The chat messages the policy sees for one prompt: an HH transcript becomes its turns (the model
+    continues as the assistant instead of reading a transcript inside one user message), anything else one
+    user message; ``template`` wraps the last user turn (``{prompt}`` is its text), ``system_prompt`` when
+    given replaces the template's default system turn."""
+    from tether.data import transcript_messages
+
+    messages = transcript_messages(prompt) or [{"role": "user", "content": prompt}]
+    messages[-1] = {"role": "user", "content": template.replace("{prompt}", messages[-1]["content"])}
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, use_chat_template: bool,
+                   system_prompt: str = "", template: str = "{prompt}"):
+    """Token ids (B, P) left-padded and their mask. A chat prompt longer than ``max_prompt_length`` tokens
+    loses its oldest exchanges first; whatever is still too long keeps its last ``max_prompt_length`` tokens.
+    Without a chat template the prompt text is ``template`` filled in, tokenised as is."""
     rows = []
     for prompt in prompts:
         if use_chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                add_generation_prompt=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
+            messages = prompt_messages(prompt, system_prompt, template)
+            ids = _chat_ids(tokenizer, messages)
+            first = 1 if messages[0]["role"] == "system" else 0
+            # Too long: drop the oldest exchange (a user turn and the reply to it), so that the
+            # prompt still starts at a turn boundary with the system turn kept.
+            while len(ids) > max_prompt_length and len(messages) - first > 2:
+                messages = messages[:first] + messages[first + 2:]
+                ids = _chat_ids(tokenizer, messages)
         else:
-            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = tokenizer(template.replace("{prompt}", prompt), add_special_tokens=True)["input_ids"]
         rows.append(list(ids)[-max_prompt_length:])
     width = max(len(r) for r in rows)
     query = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -65,6 +84,11 @@ def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, use_ch
         query[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r):] = 1
     return query, mask
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def eos_ids(tokenizer, model) -> list[int]:
