@@ -167,13 +167,9 @@ def load_critic(cfg_critic, policy: Policy, tokenizer, default_backbone: Path | 
         raise TetherError(f"--critic-model {source}: its tokenizer differs from the policy's; a separate "
                           f"critic reads the policy's tokens, so it must share the policy's tokenizer "
                           f"(use --critic head, or a critic built on the policy's tokenizer)")
-    from transformers.utils import logging as hf_logging
+    from tether.reward_model import quiet_transformers
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a reward-model directory has a score head AutoModel leaves out: expected
-    try:
+    with quiet_transformers():  # a reward-model directory has a score head AutoModel leaves out: expected
         backbone = AutoModel.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     disable_dropout(backbone)
     return SeparateCritic(backbone, ValueHead(backbone.config.get_text_config().hidden_size, cfg_critic.head))

@@ -199,7 +199,7 @@ def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 # ------------------------------------------------------------------------------------------------ loading
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """Hide transformers' load reports (\"newly initialized: score.weight\"): tether says it in one line."""
     from transformers.utils import logging as hf_logging
 
@@ -234,7 +234,7 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
         raise TetherError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None
@@ -253,7 +253,7 @@ def load_sequence_classifier(path: str | Path, *, dtype: torch.dtype | str | Non
 
     kwargs = {"num_labels": 1, "ignore_mismatched_sizes": True} if new_head else {}
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 str(path), dtype=dtype, output_loading_info=True, **kwargs)
     except ValueError as e:
@@ -368,7 +368,7 @@ class RewardModel:
         """Write model (safetensors), tokenizer and ``tether_reward.json`` into ``path`` (not atomic: the
         training stage writes into a temporary folder and renames it)."""
         path = Path(path)
-        with _quiet_transformers():
+        with quiet_transformers():
             self.model.save_pretrained(str(path))
             self.tokenizer.save_pretrained(str(path))
         # the mean/std in use win over any stale copy in the metadata

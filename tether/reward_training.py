@@ -149,6 +149,7 @@ def run(args) -> int:
 def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None = None):
     """Run Stage A; returns the trained :class:`~tether.reward_model.RewardModel` (also saved in
     ``cfg.output_dir``). ``pairs`` replaces ``cfg.data.files`` (e.g. the demo's generated pairs)."""
+    from tether.models import disable_dropout
     from tether.presets import resolve_model_path
     from tether.reward_model import RewardModel, add_lora, check_pooling, choose_format, ensure_pad_token, \
         load_sequence_classifier, load_tokenizer
@@ -194,9 +195,7 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     pooling = check_pooling(model, cfg.pooling)
     if cfg.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     model.to(device)
     max_length = clamp_max_length(cfg.data.max_length, model)
     text_format = choose_format(tokenizer, cfg.data.format, cfg.data.separator, max_length)
@@ -215,7 +214,12 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
           f"left, {data_info['reply_truncated']} the reply cut; no pair dropped")
 
     # 4. train
-    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id, pooling)
+    length_w = None
+    if cfg.loss.length_expert:  # fitted once, then frozen: the model learns what length does not explain
+        tokens = torch.tensor([[c.n_reply_tokens, r.n_reply_tokens] for c, r in encoded])  # (N, 2)
+        length_w = fit_length_expert(log_length_ratio(tokens[:, 0], tokens[:, 1]))
+        print(f"length expert: w = {length_w:+.3f} per unit of log length ratio (not in the reward)")
+    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id, pooling, length_w)
 
     # 5. a plain model + scale
     if lora:
@@ -236,9 +240,8 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
     # 7. save
     run_info = {"seconds": round(time.perf_counter() - started, 2), "peak_rss_mb": peak_rss_mb(),
                 "final_train_loss": history[-1]["loss"] if history else None}
-    if history and "length_expert_w" in history[-1]:
-        run_info["length_expert_w"] = history[-1]["length_expert_w"]
-        print(f"length expert: w = {run_info['length_expert_w']:+.3f} per unit of log length ratio (not in the reward)")
+    if length_w is not None:
+        run_info["length_expert_w"] = length_w
     if device.type == "cuda":
         run_info["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     rm.metadata.update({"training": config_to_dict(cfg), "data": data_info, "evaluation": evaluation,
@@ -288,16 +291,19 @@ def fit_length_expert(log_ratio: torch.Tensor, ridge: float = 1e-3, iterations: 
     return float(w)
 
 
-def length_expert_logit(weight: torch.Tensor, reply_tokens_chosen: torch.Tensor,
+def log_length_ratio(reply_tokens_chosen: torch.Tensor, reply_tokens_rejected: torch.Tensor) -> torch.Tensor:
+    """log l_c - log l_r per pair, reply lengths in tokens clamped to >= 1 (an empty reply counts as one)."""
+    return reply_tokens_chosen.clamp(min=1).float().log() - reply_tokens_rejected.clamp(min=1).float().log()
+
+
+def length_expert_logit(weight: float, reply_tokens_chosen: torch.Tensor,
                         reply_tokens_rejected: torch.Tensor) -> torch.Tensor:
-    """The length expert's share of the pair's logit, w * (log l_c - log l_r), reply lengths in tokens
-    (clamped to >= 1). Added to r_c - r_r in training only (a product of experts, Shen et al. 2023, with a
+    """The length expert's share of the pair's logit, w * (log l_c - log l_r). Added to r_c - r_r in
+    training only (a product of experts, Shen et al. 2023, with a
     one-parameter expert fitted beforehand by :func:`fit_length_expert`): the length-explained part of a
     preference is carried by w, so the reward model learns the residual, and scoring with r alone is the
     length-controlled preference."""
-    log_c = reply_tokens_chosen.clamp(min=1).float().log()
-    log_r = reply_tokens_rejected.clamp(min=1).float().log()
-    return weight * (log_c - log_r)
+    return weight * log_length_ratio(reply_tokens_chosen, reply_tokens_rejected)
 
 
 def pair_batches(lengths: list[int], batch_size: int, generator: torch.Generator, group_by_length: bool
@@ -319,9 +325,10 @@ def pair_batches(lengths: list[int], batch_size: int, generator: torch.Generator
 
 
 def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
-               pooling: str | None = None) -> list[dict]:
+               pooling: str | None = None, length_w: float | None = None) -> list[dict]:
     """AdamW over shuffled batches of pairs; chosen and rejected of a batch share one forward pass.
-    ``encoded``: list of ``(Encoded chosen, Encoded rejected)``. Returns per-step ``{"loss", "accuracy"}``."""
+    ``encoded``: list of ``(Encoded chosen, Encoded rejected)``; ``length_w``: the frozen length expert's
+    weight (:func:`fit_length_expert`), None = plain BT. Returns per-step ``{"loss", "accuracy"}``."""
     from tqdm.auto import tqdm
 
     from tether.reward_model import pad_batch, pooled_scores, pooling_of
@@ -330,11 +337,6 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     opt_cfg = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
-    length_w = None
-    if cfg.loss.length_expert:  # fitted once, then frozen: the model learns what length does not explain
-        tokens = torch.tensor([[c.n_reply_tokens, r.n_reply_tokens] for c, r in encoded])
-        length_w = torch.tensor(fit_length_expert(length_expert_logit(torch.tensor(1.0), tokens[:, 0], tokens[:, 1])),
-                                device=device)
     batches_per_epoch = math.ceil(len(encoded) / opt_cfg.batch_size)
     steps = opt_cfg.epochs * math.ceil(batches_per_epoch / opt_cfg.grad_accum)
     warmup = int(opt_cfg.warmup_ratio * steps)
@@ -377,8 +379,6 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             history.append({"loss": loss_sum / n_pairs, "accuracy": correct / n_pairs})
-            if length_w is not None:
-                history[-1]["length_expert_w"] = float(length_w)
             bar.update(1)
             bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", acc=f"{history[-1]['accuracy']:.2f}", refresh=False)
     bar.close()

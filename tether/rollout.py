@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tether.data import transcript_messages
 from tether.stats import entropy_from_logits, logprobs_from_logits
 
 
@@ -51,8 +52,6 @@ def prompt_messages(prompt: str, system_prompt: str = "", template: str = "{prom
     continues as the assistant instead of reading a transcript inside one user message), anything else one
     user message; ``template`` wraps the last user turn (``{prompt}`` is its text), ``system_prompt`` when
     given replaces the template's default system turn."""
-    from tether.data import transcript_messages
-
     messages = transcript_messages(prompt) or [{"role": "user", "content": prompt}]
     messages[-1] = {"role": "user", "content": template.replace("{prompt}", messages[-1]["content"])}
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
