@@ -48,7 +48,7 @@ def build_tokenizer(out_dir: Path):
 def build_models(root: Path, size: str):
     from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
-    from tether.reward_model import RewardModel, choose_format
+    from tether.rm.model import RewardModel, choose_format
 
     policy_dir, rm_dir = root / "policy", root / "rm"
     tok = build_tokenizer(policy_dir)
@@ -76,9 +76,9 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from tether.ppo import ppo_step
-    from tether.ppo_config import RunConfig
-    from tether.ppo_setup import setup
+    from tether.ppo.config import RunConfig
+    from tether.ppo.setup import setup
+    from tether.ppo.step import ppo_step
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -1,6 +1,5 @@
 """GAE, shaped rewards and whitening against hand-derived values and slow float64 references."""
 
-import itertools
 
 import pytest
 import torch

@@ -6,15 +6,14 @@ import sys
 from pathlib import Path
 
 import torch
-
-from tether.ppo import ppo_step, rollout_batch
-from tether.ppo_setup import setup
-from tether.prompts import collate_fields
-from tether.reward_model import RewardModel
-from tether.rewards import score_responses
-
 from test_reward_model import load_rm, save_tiny_bert
 from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+from tether.ppo.prompts import collate_fields
+from tether.ppo.setup import setup
+from tether.ppo.sources import score_responses
+from tether.ppo.step import ppo_step, rollout_batch
+from tether.rm.model import RewardModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,15 +31,15 @@ def test_cross_tokenizer_reward_equals_the_reward_models_own_score(tmp_path):
     cfg = tiny_config(tmp_path, policy, prompts, reward__sources=[str(rm_dir)], steps=1)
     c = setup(cfg)
     rm = RewardModel.from_pretrained(rm_dir)
-    assert rm.tokenizer.get_vocab() != c.tokenizer.get_vocab()  # really two tokenizers
-    rows = c.prompts.next_batch()
-    batch, responses = rollout_batch(c, cfg, rows)
+    assert rm.tokenizer.get_vocab() != c.models.tokenizer.get_vocab()  # really two tokenizers
+    rows = c.data.prompts.next_batch()
+    batch, responses = rollout_batch(c.models, cfg, rows)
     prompts_text = [r["prompt"] for r in rows]
     # The policy's tokens, decoded, then re-tokenised by the RM: the same as the RM scoring the text.
-    decoded = c.tokenizer.batch_decode([r[m.bool()] for r, m in zip(batch.response, batch.response_mask)],
+    decoded = c.models.tokenizer.batch_decode([r[m.bool()] for r, m in zip(batch.response, batch.response_mask)],
                                        skip_special_tokens=True)
     assert decoded == responses
-    torch.testing.assert_close(score_responses(c.sources, prompts_text, responses, collate_fields(rows)),
+    torch.testing.assert_close(score_responses(c.data.sources, prompts_text, responses, collate_fields(rows)),
                                rm.score(prompts_text, decoded))
     assert torch.isfinite(torch.tensor(ppo_step(c, cfg, 1)["objective/scores"]))
 

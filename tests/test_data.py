@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tether.data import (PreferencePair, balance_by_length, load_preference_pairs, read_records,
-                         record_location, split_pairs, split_transcript, transcript_messages)
+from tether.data import (
+    PreferencePair,
+    balance_by_length,
+    load_preference_pairs,
+    read_records,
+    record_location,
+    split_pairs,
+    split_transcript,
+    transcript_messages,
+)
 from tether.errors import DataError
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from tether.cli import main
-from tether.doctor import diagnose, load_metrics
-from tether.health import HealthConfig
+from tether.diagnostics.doctor import diagnose, load_metrics
+from tether.diagnostics.health import HealthConfig
 
 N = 60
 
@@ -216,8 +216,8 @@ def test_nan_metric_is_an_alarm():
 
 def test_prescription_keys_are_run_config_keys():
     from tether.config import leaf_fields
-    from tether.doctor import PRESCRIPTIONS
-    from tether.ppo_config import RunConfig
+    from tether.diagnostics.doctor import PRESCRIPTIONS
+    from tether.ppo.config import RunConfig
 
     keys = {key for key, _, _ in leaf_fields(RunConfig)}
     used = {rx.key for rxs in PRESCRIPTIONS.values() for rx in rxs if rx.key}

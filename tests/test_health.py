@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from tether.config import add_config_flags, config_from_dict, resolve_config
+from tether.diagnostics.health import BANDS, HealthConfig, HealthMonitor, resolve_bands
 from tether.errors import ConfigError
-from tether.health import BANDS, HealthConfig, HealthMonitor, resolve_bands
 
 
 def band(name, bands=BANDS):
@@ -197,6 +197,6 @@ def test_health_config_flags_and_yaml(tmp_path):
 
 
 def test_import_is_light():
-    code = ("import sys, tether.health, tether.doctor; "
+    code = ("import sys, tether.diagnostics.health, tether.diagnostics.doctor; "
             "assert 'transformers' not in sys.modules and 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

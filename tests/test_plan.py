@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tether.cli import main
-from tether.plan import (PlanConfig, config_shape, kv_cache_bytes, levers, lora_params, lora_target_modules,
-                         model_static, plan, preset_shape)
+from tether.diagnostics.plan import PlanConfig, kv_cache_bytes, levers, model_static, plan
+from tether.diagnostics.shapes import config_shape, lora_params, lora_target_modules, preset_shape
 
 # ---------------------------------------------------------------- the reference's numbers (000 §C.1)
 

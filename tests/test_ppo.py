@@ -3,18 +3,21 @@ disabled, masks and bootstrap, frozen advantages, parameter updates, early stop,
 a toy reward that rises."""
 
 import copy
+import os
+import subprocess
+import sys
 import json
+from pathlib import Path
 
 import pytest
 import torch
-
-import tether.ppo as ppo_module
-from tether.ppo import ppo_step
-from tether.ppo_setup import setup
-from tether.ppo_train import train
-from tether.rollout import forward_response, response_mask_after_eos
-
 from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+import tether.ppo.step as ppo_module
+from tether.ppo.rollout import forward_response, response_mask_after_eos
+from tether.ppo.setup import setup
+from tether.ppo.step import ppo_step
+from tether.ppo.train import train
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +59,15 @@ def test_lora_reference_is_the_base_model_with_adapter_disabled(files, tmp_path)
 
     cfg = tiny_config(tmp_path, *files, model__lora_r=4, optim__lr=1e-2)
     c = setup(cfg)
-    assert c.policy.reference is None  # no second copy in memory
+    assert c.models.policy.reference is None  # no second copy in memory
     ppo_step(c, cfg, 1)
-    from tether.ppo import rollout_batch
+    from tether.ppo.step import rollout_batch
 
-    batch, _ = rollout_batch(c, cfg, c.prompts.next_batch())
+    batch, _ = rollout_batch(c.models, cfg, c.data.prompts.next_batch())
     with torch.no_grad():
-        with c.policy.reference_model(c.policy_model) as ref:
+        with c.models.policy.reference_model(c.models.policy_model) as ref:
             logprobs_ref, _, _ = forward_response(ref, batch, 1.0)
-        logprobs_policy, _, _ = forward_response(c.policy_model, batch, 1.0)
+        logprobs_policy, _, _ = forward_response(c.models.policy_model, batch, 1.0)
         base = AutoModelForCausalLM.from_pretrained(files[0]).eval()
         logprobs_base, _, _ = forward_response(base, batch, 1.0)
     mask = batch.response_mask.bool()
@@ -93,19 +96,28 @@ def test_truncation_bootstrap_and_frozen_advantages(files, tmp_path, monkeypatch
 
     monkeypatch.setattr(ppo_module, "gae", spy_gae)
     monkeypatch.setattr(ppo_module, "ppo_epochs", spy_epochs)
+    # The models as they were when the step computed its values (the epoch loop then updates them).
+    policy, head = copy.deepcopy(c.models.unwrapped_policy), copy.deepcopy(c.models.unwrapped_critic)
     ppo_step(c, cfg, 1)
     batch = captured["batch"]
-    truncated = ~batch.ended_with_eos
+    rollout = batch.rollout
+    truncated = ~rollout.ended_with_eos
     assert truncated.any(), "with 3 new tokens a random policy must truncate some rows"
-    # Bootstrap: V(s_T) for truncated rows, exactly 0 for rows that ended with EOS.
+    # Bootstrap: exactly 0 for rows that ended with EOS; for a truncated row, V(s_T) of the state after its
+    # last token, recomputed here on the unpadded sequence by the policy's backbone and the value head.
     assert (captured["last_values"][~truncated] == 0).all()
-    assert (captured["last_values"][truncated] != 0).all()
+    with torch.no_grad():
+        for i in truncated.nonzero().flatten().tolist():
+            ids = torch.cat([rollout.query[i][rollout.query_mask[i].bool()], rollout.response[i]])[None]
+            hidden = policy(input_ids=ids, output_hidden_states=True).hidden_states[-1]  # (1, S, H)
+            v_last = head(hidden)[0, -1]
+            torch.testing.assert_close(captured["last_values"][i], v_last, rtol=0, atol=1e-5)
     assert (batch.advantages[batch.response_mask == 0] == 0).all()
 
 
 def _trainable_snapshot(c):
-    return {n: p.detach().clone() for n, p in c.unwrapped_policy.named_parameters()}, \
-           {n: p.detach().clone() for n, p in c.unwrapped_critic.named_parameters()}
+    return {n: p.detach().clone() for n, p in c.models.unwrapped_policy.named_parameters()}, \
+           {n: p.detach().clone() for n, p in c.models.unwrapped_critic.named_parameters()}
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
@@ -113,15 +125,15 @@ def test_every_trainable_parameter_changes_and_no_frozen_one(files, tmp_path, lo
     cfg = tiny_config(tmp_path, *files, model__lora_r=lora_r, critic__kind="separate")
     c = setup(cfg)
     policy_before, critic_before = _trainable_snapshot(c)
-    ref_before = {n: p.detach().clone() for n, p in c.policy.reference.named_parameters()} \
-        if c.policy.reference is not None else {}
+    ref_before = {n: p.detach().clone() for n, p in c.models.policy.reference.named_parameters()} \
+        if c.models.policy.reference is not None else {}
     ppo_step(c, cfg, 1)
-    for name, p in c.unwrapped_policy.named_parameters():
+    for name, p in c.models.unwrapped_policy.named_parameters():
         changed = not torch.equal(p.detach(), policy_before[name])
         assert changed == p.requires_grad, f"{name}: requires_grad={p.requires_grad} changed={changed}"
-    for name, p in c.unwrapped_critic.named_parameters():
+    for name, p in c.models.unwrapped_critic.named_parameters():
         assert not torch.equal(p.detach(), critic_before[name]), f"critic {name} did not change"
-    for name, p in (c.policy.reference.named_parameters() if c.policy.reference is not None else []):
+    for name, p in (c.models.policy.reference.named_parameters() if c.models.policy.reference is not None else []):
         assert torch.equal(p, ref_before[name]), f"reference {name} changed"
 
 
@@ -130,8 +142,8 @@ def test_critic_warmup_updates_only_the_critic(files, tmp_path):
     c = setup(cfg)
     policy_before, critic_before = _trainable_snapshot(c)
     metrics = ppo_step(c, cfg, 1)
-    assert all(torch.equal(p.detach(), policy_before[n]) for n, p in c.unwrapped_policy.named_parameters())
-    assert any(not torch.equal(p.detach(), critic_before[n]) for n, p in c.unwrapped_critic.named_parameters())
+    assert all(torch.equal(p.detach(), policy_before[n]) for n, p in c.models.unwrapped_policy.named_parameters())
+    assert any(not torch.equal(p.detach(), critic_before[n]) for n, p in c.models.unwrapped_critic.named_parameters())
     assert "policy/loss" not in metrics and "value/loss" in metrics
 
 
@@ -188,7 +200,7 @@ def test_resume_equals_uninterrupted_run(files, tmp_path):
 
 
 def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
-    from tether.ppo_train import evaluate
+    from tether.ppo.evaluate import evaluate
 
     cfg = tiny_config(tmp_path, *files, steps=1, eval__every=1, eval__n=8, eval__at_start=True,
                       data__eval_fraction=0.25)
@@ -216,9 +228,10 @@ def test_toy_reward_rises_with_kl_tether(files, tmp_path):
 def test_reward_model_source_and_separate_critic_from_it(files, tmp_path):
     """PPO against a tether reward model (the RM scores decoded text with its own tokenizer); the
     separate critic starts from the RM backbone, which shares the policy's tokenizer."""
-    from tether.demo.task import build_tokenizer
-    from tether.reward_model import RewardModel, choose_format
     from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from tether.demo.task import build_tokenizer
+    from tether.rm.model import RewardModel, choose_format
 
     tokenizer = build_tokenizer()
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_layer=1, n_embd=16, n_head=2, num_labels=1,
@@ -230,16 +243,16 @@ def test_reward_model_source_and_separate_critic_from_it(files, tmp_path):
     rm.save_pretrained(rm_dir)
     cfg = tiny_config(tmp_path, *files, reward__sources=[str(rm_dir)], critic__kind="separate", steps=1)
     c = setup(cfg)
-    assert c.critic.backbone.config.n_embd == 16  # initialised from the RM, not the policy
-    from tether.ppo import rollout_batch
-    from tether.prompts import collate_fields
-    from tether.rewards import score_responses
+    assert c.models.unwrapped_critic.backbone.config.n_embd == 16  # initialised from the RM, not the policy
+    from tether.ppo.prompts import collate_fields
+    from tether.ppo.sources import score_responses
+    from tether.ppo.step import rollout_batch
 
-    rows = c.prompts.next_batch()
-    _, responses = rollout_batch(c, cfg, rows)
+    rows = c.data.prompts.next_batch()
+    _, responses = rollout_batch(c.models, cfg, rows)
     prompts = [r["prompt"] for r in rows]
     expected = RewardModel.from_pretrained(rm_dir).score(prompts, responses)
-    torch.testing.assert_close(score_responses(c.sources, prompts, responses, collate_fields(rows)), expected)
+    torch.testing.assert_close(score_responses(c.data.sources, prompts, responses, collate_fields(rows)), expected)
     metrics = ppo_step(c, cfg, 1)
     assert torch.isfinite(torch.tensor(metrics["objective/scores"]))
 
@@ -249,8 +262,9 @@ def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
     token exactly as the sampler's own logits did, for left-padded prompts of different lengths."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from tether.models import load_tokenizer
-    from tether.rollout import Rollout, encode_prompts, response_mask_after_eos
+    from tether.ppo.models import load_tokenizer
+    from tether.ppo.records import Rollout
+    from tether.ppo.rollout import encode_prompts, response_mask_after_eos
 
     tokenizer = load_tokenizer(files[0])
     model = AutoModelForCausalLM.from_pretrained(files[0]).eval()
@@ -270,3 +284,41 @@ def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
     with torch.no_grad():
         logprobs, _, _ = forward_response(model, batch, temperature)
     torch.testing.assert_close(logprobs[mask.bool()], sampler_logprobs[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ gradient accumulation
+WORKER = Path(__file__).resolve().parent / "ppo_invariance_worker.py"
+
+
+def _worker_grads(files, out: Path, accumulation: int, processes: int = 1) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] if processes > 1 \
+        else [sys.executable]
+    proc = subprocess.run([*launch, str(WORKER), str(files[0]), str(files[1]), str(out), str(accumulation)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=WORKER.parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _assert_same_gradients(a: dict, b: dict) -> None:
+    assert torch.equal(a["lengths"], b["lengths"]) and len(set(a["lengths"].tolist())) > 1
+    assert len(a["grads"]) == len(b["grads"]) == 2  # policy, then critic, one optimiser step each
+    for grads_a, grads_b in zip(a["grads"], b["grads"]):
+        assert any(g.abs().max() > 0 for g in grads_a)
+        for g_a, g_b in zip(grads_a, grads_b):
+            torch.testing.assert_close(g_a, g_b, rtol=1e-4, atol=1e-7)
+
+
+def test_one_microbatch_of_8_equals_8_microbatches_of_1(files, tmp_path):
+    """Same 8 rollouts of different lengths: the gradient at the optimiser step is the same whether the
+    minibatch is one micro-batch or 8 accumulated ones (the loss is a token mean over the minibatch)."""
+    _assert_same_gradients(_worker_grads(files, tmp_path / "a1.pt", 1), _worker_grads(files, tmp_path / "a8.pt", 8))
+
+
+@pytest.mark.slow
+def test_two_processes_of_4_equal_one_process_of_8(files, tmp_path):
+    """The same 8 rollouts split 4 + 4 over two DDP processes (gloo) give the one-process gradient, although
+    the two halves hold different token counts (DDP's plain average over processes would not)."""
+    _assert_same_gradients(_worker_grads(files, tmp_path / "one.pt", 1),
+                           _worker_grads(files, tmp_path / "two.pt", 2, processes=2))

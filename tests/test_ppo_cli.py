@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import make_policy_dir, make_prompts_file
 
 from tether.cli import main
-
-from tiny import make_policy_dir, make_prompts_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +44,11 @@ def test_cli_end_to_end_and_yaml(files, tmp_path, capsys):
     for key in required:
         assert key in rows[-1], key
     assert rows[0]["objective/kl_coef"] == 0.1 and rows[-1]["ppo/epochs_run"] <= 2
+    # The adaptive rule (B11), from the KL step 1 saw against target 0.01: x2 above 1.5 x target, /2 below
+    # target / 1.5, unchanged between.
+    kl_seen = rows[0]["objective/kl"]
+    expected_beta = 0.2 if kl_seen > 0.015 else 0.05 if kl_seen < 0.01 / 1.5 else 0.1
+    assert rows[1]["objective/kl_coef"] == pytest.approx(expected_beta, rel=1e-12)
     saved = (out / "config.yaml").read_text()
     assert "controller: adaptive" in saved
     samples = [json.loads(line) for line in (out / "samples" / "step_2.jsonl").read_text().splitlines()]
@@ -76,6 +80,7 @@ def run_cli(args):
     ({"--kl-coef": "abc"}, "--kl-coef: expected a number, got 'abc'"),
     ({"--steps": "0"}, "--steps: must be >= 1"),
     ({"--no-such-flag": "1"}, "unrecognized arguments: --no-such-flag"),
+    ({"--log-with": "nosuch"}, "--log-with: 'nosuch' is not a tracker accelerate knows"),
 ])
 def test_bad_input_one_line_exit_2(files, tmp_path, change, expected):
     (tmp_path / "empty.jsonl").write_text("")
@@ -116,3 +121,19 @@ def test_two_processes_ddp_ranks_hold_equal_weights(files, tmp_path):
     assert ranks["digests"][0] == ranks["digests"][1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2  # one row per step, written once
+
+
+def test_metrics_reach_the_tensorboard_tracker(files, tmp_path):
+    """--log-with tensorboard goes through accelerate's tracker: every step's scalars in the event file equal
+    the metrics.jsonl row (written once, by the main process)."""
+    pytest.importorskip("tensorboard", reason="pip install tensorboard (the [test] extra has it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert main(base_args(files, out) + ["--log-with", "tensorboard", "--tracker-project", "tb"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    for key in ("objective/kl", "objective/scores", "policy/loss", "value/loss"):
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        assert logged == pytest.approx({r["step"]: r[key] for r in rows}, rel=1e-6), key

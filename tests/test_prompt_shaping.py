@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tether.errors import ConfigError, TetherError
-from tether.rollout import encode_prompts, prompt_messages
 from tests.test_recipes import _need_real_models
+from tether.errors import ConfigError, TetherError
+from tether.ppo.rollout import encode_prompts, prompt_messages
 
 HH = "\n\nHuman: hi there\n\nAssistant: hello!\n\nHuman: add 2 and 3\n\nAssistant:"
 
@@ -64,8 +64,8 @@ def test_a_long_chat_prompt_loses_its_oldest_exchange_before_any_token():
 
 
 def test_prompt_options_are_checked(tmp_path):
-    from tether.ppo_setup import setup
     from tests.tiny import make_policy_dir, make_prompts_file, tiny_config
+    from tether.ppo.setup import setup
 
     cfg = tiny_config(tmp_path, tmp_path / "nowhere", tmp_path / "p.jsonl")
     cfg.data.prompt_template = "no placeholder"
@@ -79,7 +79,7 @@ def test_prompt_options_are_checked(tmp_path):
 @pytest.mark.slow
 def test_smollm2_sees_an_hh_transcript_as_its_own_chat_turns():
     _need_real_models("smollm2-135m-instruct")
-    from tether.models import load_tokenizer
+    from tether.ppo.models import load_tokenizer
     from tether.presets import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))

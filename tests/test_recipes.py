@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_reward_model import load_rm, save_tiny_bert, save_tiny_gpt2
 
 from tether.config import resolve_config
 from tether.data import PreferencePair, split_pairs
 from tether.errors import TetherError
-from test_reward_model import load_rm, save_tiny_bert, save_tiny_gpt2
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -31,8 +31,8 @@ PPO_RECIPES = ("recipe2-ppo-svamp.yaml", "recipe3-ppo-hh-minilm.yaml")
 
 
 def load_example(name: str):
-    from tether.ppo_config import RunConfig
-    from tether.reward_training import RewardTrainingConfig
+    from tether.ppo.config import RunConfig
+    from tether.rm.config import RewardTrainingConfig
 
     cls = RewardTrainingConfig if name in RM_RECIPES else RunConfig
     return resolve_config(cls, argparse.Namespace(), str(EXAMPLES / name))
@@ -71,7 +71,7 @@ def test_recipe_configs_agree_with_each_other():
 
 # ------------------------------------------------------------------------------------------ the levers
 def test_mean_pooling_is_the_head_on_the_masked_mean_under_any_padding(tmp_path):
-    from tether.reward_model import pad_batch, pooled_scores
+    from tether.rm.model import pad_batch, pooled_scores
 
     rm = load_rm(save_tiny_bert(tmp_path / "bert"))
     texts = [rm.text_format.encode(rm.tokenizer, "what is 7 times 6? ", r).ids for r in ("42", "forty two!")]
@@ -91,7 +91,7 @@ def test_mean_pooling_is_the_head_on_the_masked_mean_under_any_padding(tmp_path)
 
 
 def test_pooling_choice_is_checked_against_the_head(tmp_path):
-    from tether.reward_model import check_pooling, load_sequence_classifier
+    from tether.rm.model import check_pooling, load_sequence_classifier
 
     bert, _ = load_sequence_classifier(save_tiny_bert(tmp_path / "bert"))
     gpt2, _ = load_sequence_classifier(save_tiny_gpt2(tmp_path / "gpt2"), new_head=True)
@@ -103,7 +103,7 @@ def test_pooling_choice_is_checked_against_the_head(tmp_path):
 
 
 def test_pair_batches_cover_every_pair_once_and_grouping_cuts_padding():
-    from tether.reward_training import pair_batches
+    from tether.rm.train import pair_batches
 
     rng = random.Random(0)
     lengths = [rng.randint(5, 500) for _ in range(803)]
@@ -130,7 +130,7 @@ def _rule_pairs(n: int) -> list[PreferencePair]:
 
 
 def test_dev_split_trains_and_evaluates_on_the_train_side_only(tmp_path, monkeypatch):
-    import tether.reward_training as rt
+    import tether.rm.train as rt
 
     pairs = _rule_pairs(60)
     seen = {}

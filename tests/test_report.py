@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tether.cli import main
-from tether.report import _names, write_report
+from tether.diagnostics.report import _names, write_report
 
 EVIL = '<script>alert("x")</script> & <b>bold</b>'
 
@@ -92,7 +92,7 @@ def test_report_cli_output_and_errors(tmp_path, capsys, monkeypatch):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "run directory not found" in capsys.readouterr().err
     calls = []  # the default output path, without drawing the page a second time
-    monkeypatch.setattr("tether.report.write_report", lambda dirs, out, title=None: calls.append((dirs, out)))
+    monkeypatch.setattr("tether.diagnostics.report.write_report", lambda dirs, out, title=None: calls.append((dirs, out)))
     assert main(["report", str(run), str(tmp_path / "two")]) == 0
     assert calls == [([str(run), str(tmp_path / "two")], run / "report.html")]
 

@@ -1,4 +1,4 @@
-"""tether.reward_model: pooling under every padding (and PAD = EOS), truncation that keeps the reply,
+"""tether.rm.model: pooling under every padding (and PAD = EOS), truncation that keeps the reply,
 chat formatting, the score scale (A5) and its shift invariance, save/load, ensembles, LoRA.
 
 Tiny random models built from configs: GPT-2 (2 layers, 32 wide) and a BERT encoder, with a character
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tether.core.losses import bradley_terry_loss
 from tether.errors import TetherError
-from tether.losses import bradley_terry_loss
 
 CHARS = "0123456789+-=?!.,:;' abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 
@@ -72,8 +72,8 @@ def save_tiny_bert(path: Path, seed: int = 0) -> Path:
 
 def load_rm(path: Path, max_length: int = 64):
     """An untrained RewardModel (raw = standardised) on a saved backbone."""
-    from tether.reward_model import RewardModel, choose_format, ensure_pad_token, load_sequence_classifier, \
-        load_tokenizer
+    from tether.hf import ensure_pad_token
+    from tether.rm.model import RewardModel, choose_format, load_sequence_classifier, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     model, _ = load_sequence_classifier(path, new_head=True)
@@ -97,7 +97,7 @@ REPLIES = ["3", "32 it is", "42", "hello there friend"]
 
 # ------------------------------------------------------------------------------------------------ pooling
 def test_scores_are_the_same_under_left_right_and_no_padding(gpt2_dir):
-    from tether.reward_model import pad_batch, pooled_scores
+    from tether.rm.model import pad_batch, pooled_scores
 
     rm = load_rm(gpt2_dir)
     seqs = [e.ids for e in rm.encode(PROMPTS, REPLIES)]
@@ -115,7 +115,7 @@ def test_scores_are_the_same_under_left_right_and_no_padding(gpt2_dir):
 
 
 def test_pad_equal_to_eos_scores_the_final_eos(tmp_path):
-    from tether.reward_model import pad_batch, pooled_scores
+    from tether.rm.model import pad_batch, pooled_scores
 
     rm = load_rm(save_tiny_gpt2(tmp_path / "m", char_tokenizer(pad_is_eos=True)))
     assert rm.tokenizer.pad_token_id == rm.tokenizer.eos_token_id == 1
@@ -141,7 +141,8 @@ def test_encoder_uses_its_own_pooling_under_padding(bert_dir):
 
 
 def test_missing_pad_token_becomes_eos(tmp_path):
-    from tether.reward_model import ensure_pad_token, load_sequence_classifier, load_tokenizer
+    from tether.hf import ensure_pad_token
+    from tether.rm.model import load_sequence_classifier, load_tokenizer
 
     path = save_tiny_gpt2(tmp_path / "m", char_tokenizer(pad=False))
     tokenizer = load_tokenizer(path)
@@ -153,7 +154,7 @@ def test_missing_pad_token_becomes_eos(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- formatting
 def test_truncation_cuts_the_prompt_from_the_left_and_keeps_the_reply(bert_dir):
-    from tether.reward_model import TextFormat, load_tokenizer
+    from tether.rm.model import TextFormat, load_tokenizer
 
     tokenizer = load_tokenizer(bert_dir)
     fmt = TextFormat(kind="plain", max_length=12)
@@ -168,7 +169,7 @@ def test_truncation_cuts_the_prompt_from_the_left_and_keeps_the_reply(bert_dir):
 
 
 def test_chat_template_formats_prompts_and_hh_transcripts(gpt2_dir):
-    from tether.reward_model import choose_format, load_tokenizer
+    from tether.rm.model import choose_format, load_tokenizer
 
     tokenizer = load_tokenizer(gpt2_dir)
     with pytest.raises(TetherError, match="no chat template"):
@@ -271,8 +272,8 @@ def test_ensemble_reduces_standardised_scores_by_mean_or_min(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ LoRA
 def test_lora_trains_only_the_adapter_and_the_head(gpt2_dir):
-    from tether.reward_model import add_lora, load_sequence_classifier
-    from tether.reward_training import RewardTrainingConfig, train_loop
+    from tether.rm.model import add_lora, load_sequence_classifier
+    from tether.rm.train import RewardTrainingConfig, train_loop
 
     rm = load_rm(gpt2_dir)
     model = add_lora(rm.model, r=4, alpha=8, dropout=0.0)

@@ -1,4 +1,4 @@
-"""tether.reward_training: the evaluation (A4) against hand-computed values, a tiny model learning a
+"""tether.rm.train: the evaluation (A4) against hand-computed values, a tiny model learning a
 synthetic rule, the CLI end to end (in-process and as a subprocess), every bad input as one line with
 exit code 2, and the atomic write of the output directory (A7)."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_reward_model import save_tiny_bert, save_tiny_gpt2
 
 from tether.cli import main
+from tether.core.stats import wilson_interval
 from tether.data import PreferencePair
-from tether.stats import wilson_interval
-from test_reward_model import save_tiny_bert, save_tiny_gpt2
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ class TableScorer:
 
 
 def test_evaluate_pairs_matches_hand_computed_values():
-    from tether.reward_training import evaluate_pairs, format_evaluation
+    from tether.rm.evaluate import evaluate_pairs, format_evaluation
 
     #         chosen  rejected   r_w  r_l   correct  chosen is   model prefers
     pairs = [("aaaa", "b", 2.0, 1.0),     # yes      longer      longer
@@ -86,7 +86,7 @@ def test_evaluate_pairs_matches_hand_computed_values():
 
 
 def test_length_penalty_is_the_squared_correlation():
-    from tether.reward_training import length_penalty
+    from tether.core.length import length_penalty
 
     scores, lengths = torch.tensor([1.0, 2.0, 0.5, 4.0]), torch.tensor([3, 5, 2, 4])
     r = torch.corrcoef(torch.stack([scores, lengths.float()]))[0, 1]
@@ -95,7 +95,7 @@ def test_length_penalty_is_the_squared_correlation():
 
 
 def test_length_expert_logit_by_hand():
-    from tether.reward_training import length_expert_logit
+    from tether.core.length import length_expert_logit
 
     got = length_expert_logit(torch.tensor(0.5), torch.tensor([8, 3, 0]), torch.tensor([2, 3, 4]))
     # 0.5 * ln(8/2), 0.5 * ln(3/3), 0.5 * ln(1/4) (an empty reply counts as one token)
@@ -103,7 +103,7 @@ def test_length_expert_logit_by_hand():
 
 
 def test_fit_length_expert_is_the_length_only_bt_maximum():
-    from tether.reward_training import fit_length_expert
+    from tether.core.length import fit_length_expert
 
     # 3 of 4 pairs with log-ratio +1 won by the longer side: 3 (1 - s(w)) = s(w)  =>  w = ln 3
     assert fit_length_expert(torch.tensor([1.0, 1.0, 1.0, -1.0]), ridge=0.0) == pytest.approx(1.0986123, abs=1e-6)
@@ -129,7 +129,7 @@ def length_mostly_pairs(n: int, seed: int = 0) -> list[PreferencePair]:
 def test_length_expert_carries_the_length_preference_instead_of_the_model(tmp_path):
     """On data where only length predicts, the plain BT model becomes a length detector; with the length
     expert, w takes the length preference and the reward model's own scores keep far less of it."""
-    from tether.reward_training import RewardTrainingConfig, train_reward_model
+    from tether.rm.train import RewardTrainingConfig, train_reward_model
 
     prefers_longer, weights = {}, {}
     for expert in (False, True):
@@ -149,7 +149,7 @@ def test_length_expert_carries_the_length_preference_instead_of_the_model(tmp_pa
 @pytest.mark.slow
 def test_tiny_model_learns_the_synthetic_rule(tmp_path):
     from tether.data import pair_from_record
-    from tether.reward_training import RewardTrainingConfig, train_reward_model
+    from tether.rm.train import RewardTrainingConfig, train_reward_model
 
     pairs = [pair_from_record(r, f"row {i}") for i, r in enumerate(script_rows(300))]
     cfg = RewardTrainingConfig(model=str(save_tiny_gpt2(tmp_path / "m", width=64)), output_dir=str(tmp_path / "rm"),
@@ -199,6 +199,17 @@ def test_cli_end_to_end_in_process(tmp_path, backbone, capsys):
     z = rm.score([r["prompt"] for r in rows for _ in range(2)], [r[k] for r in rows for k in ("chosen", "rejected")])
     assert abs(z.mean().item()) < 1e-4 and abs(z.std(unbiased=False).item() - 1) < 1e-4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl", "rm", "rm.yaml"]  # no temporary folder
+    # One metrics row per optimiser step: 2 epochs x ceil(train pairs / 8), steps numbered from 1.
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    n_train = meta["data"].get("balanced_train", meta["data"]["train"])
+    per_epoch = -(-n_train // 8)
+    assert [r["step"] for r in history] == list(range(1, 2 * per_epoch + 1))
+    assert [r["epoch"] for r in history] == [1] * per_epoch + [2] * per_epoch
+    assert history[-1]["rm/loss"] == meta["run"]["final_train_loss"]
+    assert all(0 <= r["rm/accuracy"] <= 1 and r["rm/grad_norm"] > 0 for r in history)
+    assert main(["report", str(out), "-o", str(tmp_path / "rm.html")]) == 0  # tether report plots an RM run
+    page = (tmp_path / "rm.html").read_text()
+    assert "Reward model: training loss" in page and "Reward model: batch accuracy" in page
 
 
 @pytest.mark.slow
@@ -288,13 +299,14 @@ def test_unknown_flag_is_one_line_with_exit_code_2(capsys):
 def test_a_crash_while_saving_leaves_the_previous_model_intact(tmp_path, monkeypatch):
     from test_reward_model import load_rm
 
-    from tether.reward_model import RewardModel
-    from tether.reward_training import RewardTrainingConfig, save_atomically
+    from tether.rm.config import RewardTrainingConfig
+    from tether.rm.model import RewardModel
+    from tether.rm.train import save_reward_model
 
     out = tmp_path / "rm"
     cfg = RewardTrainingConfig(model="m", output_dir=str(out))
     good = load_rm(save_tiny_gpt2(tmp_path / "m"))
-    save_atomically(good, out, cfg, {"accuracy": 0.9})
+    save_reward_model(good, out, cfg, {"accuracy": 0.9}, [])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def crash(self, path, extra=None):
@@ -303,10 +315,52 @@ def test_a_crash_while_saving_leaves_the_previous_model_intact(tmp_path, monkeyp
 
     monkeypatch.setattr(RewardModel, "save_pretrained", crash)
     with pytest.raises(OSError, match="disk full"):
-        save_atomically(good, out, cfg, {"accuracy": 0.1})
+        save_reward_model(good, out, cfg, {"accuracy": 0.1}, [])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "rm"]  # no temporary folder left behind
     monkeypatch.undo()
-    save_atomically(good, out, cfg, {"accuracy": 0.5})  # a good save replaces the old model
+    save_reward_model(good, out, cfg, {"accuracy": 0.5}, [])  # a good save replaces the old model
     assert json.loads((out / "eval.json").read_text()) == {"accuracy": 0.5}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "rm"]
+
+
+# ------------------------------------------------------------------------------ gradient accumulation
+def test_one_batch_of_8_equals_8_accumulated_batches_of_1(backbone, monkeypatch):
+    """The accumulated gradient is that of the mean loss over the step's pairs, however they are cut:
+    batch 8 x 1 and batch 1 x 8 accumulation give the same gradient at the optimiser step (fp32 tolerance).
+    Replies of different lengths, so that the batch of 8 is padded and the single pairs are not. (Gradients,
+    not weights: Adam's first update is g/|g| per element, which turns float noise in a near-zero gradient
+    into a full step.)"""
+    import copy
+
+    from test_reward_model import load_rm
+
+    from tether.hf import disable_dropout
+    from tether.rm.config import RewardTrainingConfig
+    from tether.rm.train import train_loop
+
+    rm = load_rm(backbone)
+    disable_dropout(rm.model)
+    rows = script_rows(8, seed=3)
+    pairs = [(rm.text_format.encode(rm.tokenizer, r["prompt"], r["chosen"]),
+              rm.text_format.encode(rm.tokenizer, r["prompt"], r["rejected"] + "zz" * i)) for i, r in enumerate(rows)]
+    assert len({len(c.ids) for c, _ in pairs}) > 1  # really ragged
+    clip = torch.nn.utils.clip_grad_norm_
+    grads: list[dict] = []
+
+    def record_then_clip(params, max_norm, *args, **kwargs):  # the gradient the optimiser is about to use
+        grads.append([p.grad.detach().clone() for p in params])
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record_then_clip)
+    norms = []
+    for batch_size, accumulation in ((8, 1), (1, 8)):
+        cfg = RewardTrainingConfig(seed=0)
+        cfg.optim.batch_size, cfg.optim.grad_accumulation = batch_size, accumulation
+        history = train_loop(copy.deepcopy(rm.model), pairs, cfg, torch.device("cpu"), rm.tokenizer.pad_token_id)
+        assert len(history) == 1  # one optimiser step either way
+        norms.append(history[0]["rm/grad_norm"])
+    assert len(grads) == 2 and norms[0] > 0
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    for g_big, g_accumulated in zip(*grads):
+        torch.testing.assert_close(g_big, g_accumulated, rtol=1e-4, atol=1e-7)

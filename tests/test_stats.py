@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tether import entropy_from_logits, explained_variance, logprobs_from_logits, wilson_interval
-from tether.stats import repetition_rate
+from tether.core.stats import repetition_rate
 
 
 def test_wilson_16_of_20():
@@ -62,7 +62,7 @@ def test_import_tether_does_not_import_transformers():
 
 
 def test_mcnemar_exact_by_hand():
-    from tether.stats import mcnemar_exact
+    from tether.core.stats import mcnemar_exact
 
     assert mcnemar_exact(0, 0) == 1.0
     # 5 vs 0 discordant: p = 2 * (1/32) = 0.0625

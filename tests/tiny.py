@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tether.ppo_config import RunConfig
+from tether.ppo.config import RunConfig
 
 
 def make_policy_dir(root: Path, seed: int = 0, n_layer: int = 2, n_embd: int = 32, n_head: int = 2) -> Path:

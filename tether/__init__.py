@@ -4,16 +4,16 @@
 need ``transformers`` are resolved lazily on first access.
 """
 
-from tether.advantages import gae, masked_mean, shaped_rewards, whiten
-from tether.kl import AdaptiveKLController, FixedKLController, ProportionalKLController, kl_penalty
-from tether.losses import bradley_terry_loss, ppo_policy_loss, ppo_value_loss
-from tether.stats import entropy_from_logits, explained_variance, logprobs_from_logits, wilson_interval
+from tether.core.advantages import gae, masked_mean, shaped_rewards, whiten
+from tether.core.kl import AdaptiveKLController, FixedKLController, ProportionalKLController, kl_penalty
+from tether.core.losses import bradley_terry_loss, ppo_policy_loss, ppo_value_loss
+from tether.core.stats import entropy_from_logits, explained_variance, logprobs_from_logits, wilson_interval
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "RewardModel": "tether.reward_model",
-    "RewardEnsemble": "tether.reward_model",
+    "RewardModel": "tether.rm.model",
+    "RewardEnsemble": "tether.rm.model",
 }
 
 __all__ = [

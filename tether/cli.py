@@ -16,11 +16,11 @@ from tether.errors import TetherError
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": ("tether.demo.pipeline", "run the built-in task end to end: SFT -> reward model -> PPO (beta > 0 and beta = 0)"),
-    "train-rm": ("tether.reward_training", "train a Bradley-Terry reward model from preference pairs"),
-    "ppo": ("tether.ppo_cli", "optimise a policy against rewards with PPO and a KL tether"),
-    "plan": ("tether.plan", "will this RLHF run fit? memory of the four models per phase"),
-    "doctor": ("tether.doctor", "diagnose a PPO run from its metrics"),
-    "report": ("tether.report", "write a self-contained HTML report of one or more runs"),
+    "train-rm": ("tether.rm.cli", "train a Bradley-Terry reward model from preference pairs"),
+    "ppo": ("tether.ppo.cli", "optimise a policy against rewards with PPO and a KL tether"),
+    "plan": ("tether.diagnostics.plan", "will this RLHF run fit? memory of the four models per phase"),
+    "doctor": ("tether.diagnostics.doctor", "diagnose a PPO run from its metrics"),
+    "report": ("tether.diagnostics.report", "write a self-contained HTML report of one or more runs"),
 }
 
 

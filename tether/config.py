@@ -24,12 +24,15 @@ _MISSING = dataclasses.MISSING
 
 def option(default: Any = _MISSING, help: str = "", *, choices: tuple | None = None,
            low: float | None = None, high: float | None = None, low_open: bool = False,
-           flag: str | None = None, repeat: bool = False, default_factory: Any = _MISSING):
+           flag: str | None = None, repeat: bool = False, default_factory: Any = _MISSING,
+           aliases: tuple[str, ...] = (), value_aliases: dict | None = None):
     """A documented config field. ``low``/``high`` bound numbers (``low_open``: strictly above ``low``);
     ``flag`` is its command-line flag (``None``: ``--`` + the dotted key with ``.``/``_`` as ``-``);
-    ``repeat`` makes a list field take one value per use of the flag."""
+    ``repeat`` makes a list field take one value per use of the flag. ``aliases``: older names of the
+    key, still accepted in YAML (so saved configs load) and as flags; ``value_aliases``: older spellings
+    of choices, mapped to the current one."""
     meta = {"help": help, "choices": choices, "low": low, "high": high, "low_open": low_open,
-            "flag": flag, "repeat": repeat}
+            "flag": flag, "repeat": repeat, "aliases": tuple(aliases), "value_aliases": value_aliases or {}}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     if isinstance(default, (list, dict)):
@@ -60,6 +63,20 @@ def leaf_fields(cls, prefix: str = ""):
 
 def flag_of(key: str, f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + key.replace(".", "-").replace("_", "-")
+
+
+def alias_flags(key: str, f: dataclasses.Field) -> list[str]:
+    """The flags of a field's older names (``grad_accum`` -> ``--grad-accum``), next to its own."""
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key and not f.metadata.get("flag") else ""
+    return ["--" + (prefix + a).replace(".", "-").replace("_", "-") for a in f.metadata.get("aliases", ())]
+
+
+def _field_named(obj, name: str) -> dataclasses.Field | None:
+    """The field ``name`` of config ``obj``, or the field that lists ``name`` among its aliases."""
+    for f in dataclasses.fields(obj):
+        if f.name == name or name in f.metadata.get("aliases", ()):
+            return f
+    return None
 
 
 def _convert(value: Any, tp, where: str) -> Any:
@@ -120,8 +137,12 @@ def _convert(value: Any, tp, where: str) -> Any:
     return value
 
 
-def _check(value: Any, f: dataclasses.Field, where: str) -> None:
+def _check(value: Any, f: dataclasses.Field, where: str) -> Any:
+    """Check choices and bounds; returns the value with older spellings of choices replaced."""
     m = f.metadata
+    renames = m.get("value_aliases") or {}
+    if renames:
+        value = [renames.get(v, v) for v in value] if isinstance(value, list) else renames.get(value, value)
     values = value if isinstance(value, list) else [value]
     for v in values:
         if v is None:
@@ -134,6 +155,7 @@ def _check(value: Any, f: dataclasses.Field, where: str) -> None:
                 raise ConfigError(f"{where}: must be {op} {m['low']}, got {v!r}")
         if m.get("high") is not None and v > m["high"]:
             raise ConfigError(f"{where}: must be <= {m['high']}, got {v!r}")
+    return value
 
 
 def _set(cfg, key: str, value: Any, where: str) -> None:
@@ -145,15 +167,13 @@ def _set(cfg, key: str, value: Any, where: str) -> None:
         if sub is None or not dataclasses.is_dataclass(sub):
             raise ConfigError(f"{where}: unknown key '{key}'")
         obj = sub
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    f = fields.get(parts[-1])
+    f = _field_named(obj, parts[-1])
     if f is None:
         raise ConfigError(f"{where}: unknown key '{key}'")
     tp = _hints(type(obj))[f.name]
     if _is_config(tp):
         raise ConfigError(f"{where}: '{key}' is a section, give its keys")
-    value = _convert(value, tp, where)
-    _check(value, f, where)
+    value = _check(_convert(value, tp, where), f, where)
     setattr(obj, f.name, value)
 
 
@@ -197,11 +217,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
             help_ += f" [default: {default}]"
         help_ = help_.replace("%", "%%")  # argparse formats help strings with %
         action = "append" if f.metadata.get("repeat") else "store"
+        flags = [flag_of(key, f), *alias_flags(key, f)]
         if tp is bool:
-            parser.add_argument(flag_of(key, f), dest=key, nargs="?", const="true", default=None,
+            parser.add_argument(*flags, dest=key, nargs="?", const="true", default=None,
                                 metavar="BOOL", help=help_)
         else:
-            parser.add_argument(flag_of(key, f), dest=key, action=action, default=None,
+            parser.add_argument(*flags, dest=key, action=action, default=None,
                                 metavar=key.split(".")[-1].upper(), help=help_)
 
 

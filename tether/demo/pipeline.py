@@ -110,7 +110,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     from tether.demo.pairs import make_preference_pairs
     from tether.demo.sft import gold_accuracy, sft_to_accuracy, sft_train
     from tether.demo.task import build_policy, build_tokenizer, split_problems
-    from tether.stats import mcnemar_exact
+    from tether.core.stats import mcnemar_exact
 
     settings = settings or (QUICK if quick else FULL)
     torch.manual_seed(seed)
@@ -185,7 +185,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     with stages("g. HTML report"):
         exhibits = beta0_exhibits(runs["beta_0"])
         results["beta0_exhibits"] = exhibits
-        from tether.report import write_report
+        from tether.diagnostics.report import write_report
 
         write_report([runs[f"beta_{BETA:g}"], runs["beta_0"]], out / "report.html",
                      title=f"tether demo: PPO on 3-digit addition, beta = {BETA:g} vs beta = 0",
@@ -200,7 +200,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
 def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: int) -> dict:
     """Stage A on the demo pairs, initialised from the SFT policy (as InstructGPT's RM is)."""
     from tether.data import PreferencePair
-    from tether.reward_training import RewardTrainingConfig, train_reward_model
+    from tether.rm.train import RewardTrainingConfig, train_reward_model
 
     cfg = RewardTrainingConfig()
     cfg.model, cfg.output_dir, cfg.seed = str(out / "rm_backbone"), str(out / "rm"), seed
@@ -213,8 +213,8 @@ def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: in
 
 def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
                  settings: DemoSettings, seed: int) -> Path:
-    from tether.ppo_config import RunConfig
-    from tether.ppo_train import train
+    from tether.ppo.config import RunConfig
+    from tether.ppo.train import train
 
     cfg = RunConfig()
     cfg.output_dir, cfg.seed, cfg.steps, cfg.batch_size = str(run_dir), seed, settings.ppo_steps, settings.ppo_batch

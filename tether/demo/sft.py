@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tether.demo.task import gold_reward
-from tether.stats import wilson_interval
+from tether.core.stats import wilson_interval
 
 IGNORE_INDEX = -100  # label of positions that do not enter the loss (PyTorch's cross_entropy default)
 

@@ -20,7 +20,6 @@ A reward model is any Hugging Face ``AutoModelForSequenceClassification`` with o
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -33,6 +32,7 @@ import torch
 
 from tether.data import transcript_messages
 from tether.errors import TetherError
+from tether.hf import quiet_transformers
 
 METADATA_FILE = "tether_reward.json"
 FORMAT_VERSION = 1
@@ -198,38 +198,6 @@ def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------------ loading
-@contextlib.contextmanager
-def quiet_transformers():
-    """Hide transformers' load reports (\"newly initialized: score.weight\"): tether says it in one line."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def ensure_pad_token(tokenizer, model=None) -> None:
-    """Give the tokenizer a pad token if it has none (EOS, else UNK, else a new ``[PAD]``) and tell the
-    model's config. Safe because pooling reads the attention mask, not the pad id."""
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is not None:
-            tokenizer.pad_token = tokenizer.eos_token
-        elif tokenizer.unk_token is not None:
-            tokenizer.pad_token = tokenizer.unk_token
-        else:
-            tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-            if model is not None:
-                model.resize_token_embeddings(len(tokenizer))
-    if model is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-
-
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

@@ -31,10 +31,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from tether.config import add_config_flags, config_to_dict, option, resolve_config
-from tether.errors import TetherError
+from tether.diagnostics.shapes import ModelShape, lora_params, resolve_shape
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -69,127 +68,6 @@ class PlanConfig:
                              choices=("linear", "mlp"))
     offload_ref: bool = option(False, "keep the reference's weights in CPU memory (streamed per layer)")
     offload_rm: bool = option(False, "keep the reward model's weights in CPU memory (streamed per layer)")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder's shapes and parameter counts (from a preset or a config.json)."""
-
-    name: str
-    family: str  # llama | mistral | qwen2 | qwen3 | gpt2
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    backbone_params: int  # embeddings + layers + final norm (AutoModel)
-    lm_params: int  # AutoModelForCausalLM: backbone + LM head (0 extra when tied)
-    lora_shapes: dict  # "attn"/"mlp" -> ((in, out), ...) of the LoRA target projections of one layer
-    nominal_params: int | None = None  # presets: the size in the name, used for every model's static memory
-
-
-# name -> (nominal params, family, L, d, n_h, n_kv, d_ff, V, tied, shapes of)
-PRESETS = {
-    "0.5b": (0.5e9, "qwen2", 24, 896, 14, 2, 4864, 151936, True, "Qwen2.5-0.5B"),
-    "7b": (7e9, "llama", 32, 4096, 32, 32, 11008, 32000, False, "Llama-2-7B"),
-    "8b": (8e9, "llama", 32, 4096, 32, 8, 14336, 128256, False, "Llama-3-8B"),
-    "13b": (13e9, "llama", 40, 5120, 40, 40, 13824, 32000, False, "Llama-2-13B"),
-    "70b": (70e9, "llama", 80, 8192, 64, 8, 28672, 32000, False, "Llama-2-70B"),
-}
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-# peft target_modules per family; "attn.c_proj" so GPT-2's MLP c_proj is not matched.
-LORA_TARGETS = {
-    "llama": {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]},
-    "gpt2": {"attn": ["c_attn", "attn.c_proj"], "mlp": ["c_fc", "mlp.c_proj"]},
-}
-
-
-def lora_target_modules(family: str, targets: str = "attn") -> list[str]:
-    """peft ``target_modules`` the planner assumes for ``family`` (``attn`` or ``all``)."""
-    t = LORA_TARGETS["gpt2" if family == "gpt2" else "llama"]
-    return t["attn"] + (t["mlp"] if targets == "all" else [])
-
-
-def _shape(name, family, c: dict, nominal=None) -> ModelShape:
-    """Count parameters exactly as transformers builds the model (see docs/plan.md)."""
-    g = lambda k: c[k]  # noqa: E731 - short accessor; missing keys are reported by the caller
-    if family == "gpt2":
-        d, L, h, V, P = g("n_embd"), g("n_layer"), g("n_head"), g("vocab_size"), g("n_positions")
-        ff = c.get("n_inner") or 4 * d
-        kv, hd, tied = h, d // h, c.get("tie_word_embeddings", True)
-        layer = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
-        backbone = V * d + P * d + L * layer + 2 * d
-        lora = {"attn": ((d, 3 * d), (d, d)), "mlp": ((d, ff), (ff, d))}
-    else:
-        d, L, h, V = g("hidden_size"), g("num_hidden_layers"), g("num_attention_heads"), g("vocab_size")
-        ff = g("intermediate_size")
-        kv = c.get("num_key_value_heads") or h
-        hd = c.get("head_dim") or (128 if family == "qwen3" else d // h)
-        tied = c.get("tie_word_embeddings", False)
-        q, k = h * hd, kv * hd
-        attn = d * q + 2 * d * k + q * d
-        if family == "qwen2":  # q, k, v always carry a bias in Qwen2; o does not
-            attn += q + 2 * k
-        elif c.get("attention_bias", False):
-            attn += q + 2 * k + d
-        mlp = 3 * d * ff + ((2 * ff + d) if c.get("mlp_bias", False) else 0)
-        norms = 2 * d + (2 * hd if family == "qwen3" else 0)  # Qwen3 adds q_norm, k_norm over d_h
-        backbone = V * d + L * (attn + mlp + norms) + d
-        lora = {"attn": ((d, q), (d, k), (d, k), (q, d)), "mlp": ((d, ff), (d, ff), (ff, d))}
-    lm = backbone + (0 if tied else V * d)
-    return ModelShape(name, family, L, d, h, kv, hd, ff, V, bool(tied), backbone, lm, lora,
-                      None if nominal is None else int(nominal))
-
-
-def preset_shape(name: str) -> ModelShape:
-    nominal, family, L, d, h, kv, ff, V, tied, source = PRESETS[name]
-    c = {"hidden_size": d, "num_hidden_layers": L, "num_attention_heads": h, "num_key_value_heads": kv,
-         "intermediate_size": ff, "vocab_size": V, "tie_word_embeddings": tied}
-    return _shape(f"{name} ({source} shapes)", family, c, nominal)
-
-
-def config_shape(path: str | Path) -> ModelShape:
-    """Shapes from a Hugging Face ``config.json`` (or the folder holding it)."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise TetherError(f"{path}: no config.json in this folder")
-        path = path / "config.json"
-    if not path.is_file():
-        raise TetherError(f"{path}: file not found")
-    try:
-        c = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"{path}: not a JSON config ({e})") from None
-    family = c.get("model_type") if isinstance(c, dict) else None
-    if family not in LLAMA_LIKE + ("gpt2",):
-        raise TetherError(f"{path}: model_type {family!r} is not supported "
-                          f"(supported: {', '.join(LLAMA_LIKE + ('gpt2',))})")
-    try:
-        shape = _shape(str(path), family, c)
-    except KeyError as e:
-        raise TetherError(f"{path}: missing key {e.args[0]!r}") from None
-    for field in ("layers", "hidden", "heads", "vocab", "intermediate"):
-        if not isinstance(getattr(shape, field), int) or getattr(shape, field) <= 0:
-            raise TetherError(f"{path}: {field} must be a positive integer, got {getattr(shape, field)!r}")
-    return shape
-
-
-def resolve_shape(model: str) -> ModelShape:
-    if model.lower() in PRESETS:
-        return preset_shape(model.lower())
-    if Path(model).exists() or "/" in model or model.endswith(".json"):
-        return config_shape(model)
-    raise TetherError(f"--model: unknown preset {model!r} (presets: {', '.join(PRESETS)}; or a config.json path)")
-
-
-def lora_params(shape: ModelShape, r: int, targets: str = "attn") -> int:
-    """Trainable LoRA parameters: r·(in + out) per target projection (A: r×in, B: out×r), every layer."""
-    pairs = shape.lora_shapes["attn"] + (shape.lora_shapes["mlp"] if targets == "all" else ())
-    return shape.layers * sum(r * (i + o) for i, o in pairs)
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, nbytes: int) -> int:

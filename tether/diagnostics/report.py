@@ -1,4 +1,5 @@
-"""``tether report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page about one or more PPO runs (D4).
+"""``tether report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page about one or more PPO runs (D4), or
+reward-model runs (``tether train-rm`` output: its ``metrics.jsonl`` of training loss and batch accuracy).
 
 The page holds the curves (reward, gold metric, KL mean and max, β, clip fraction, ratio std, value loss,
 explained variance, entropy, length) with every run on shared axes and the health bands shaded, the
@@ -19,10 +20,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tether.doctor import (Diagnosis, config_value, diagnose, format_diagnosis, health_config_from_run,
-                           load_metrics, load_run_config)
+from tether.diagnostics.doctor import (
+    Diagnosis,
+    config_value,
+    diagnose,
+    format_diagnosis,
+    health_config_from_run,
+    load_metrics,
+    load_run_config,
+)
+from tether.diagnostics.health import HealthConfig, resolve_bands
 from tether.errors import TetherError
-from tether.health import HealthConfig, resolve_bands
 
 # (title, [(metric key, line style)], band name for shading or None, y log scale)
 PANELS = [
@@ -37,6 +45,8 @@ PANELS = [
     ("Explained variance", [("value/explained_variance", "-")], "explained_variance", False),
     ("Policy entropy", [("policy/entropy", "-")], None, False),
     ("Response length (mean; one run: min–max shaded)", [("response/length_mean", "-")], None, False),
+    ("Reward model: training loss (−log σ(r_w − r_l))", [("rm/loss", "-")], None, False),
+    ("Reward model: batch accuracy (r_w > r_l)", [("rm/accuracy", "-")], None, False),
 ]
 PHASES = [("generate", "perf/seconds_generate"), ("score", "perf/seconds_score"), ("train", "perf/seconds_train")]
 SUMMARY_KEYS = ["kl.coef", "kl.controller", "kl.target", "optim.lr", "optim.critic_lr", "ppo.epochs",
@@ -135,7 +145,7 @@ def _plots(runs: list[Run], config: HealthConfig) -> tuple[list[tuple[str, str]]
         if band is not None:
             _shade_band(ax, band, [y for *_, ys in data for y in ys])
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("PPO step", fontsize=8)
+        ax.set_xlabel("step (PPO step, or optimiser step of a reward model)", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
@@ -313,7 +323,8 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, title: str | 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one or more `tether ppo` run directories")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="one or more `tether ppo` run directories (or `tether train-rm` outputs)")
     parser.add_argument("-o", "--output", default=None, metavar="FILE",
                         help="where to write the page [default: FIRST_RUN_DIR/report.html]")
     parser.add_argument("--title", default=None, help="page title [default: the run names]")

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from tether.advantages import masked_mean, masked_var
+from tether.core.advantages import masked_mean, masked_var
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The cause is the first metric, in time, to leave its healthy band on the way to an alarm; the bands that
 alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6). The rules are
-:mod:`tether.health`'s, replayed over ``metrics.jsonl`` by the same :class:`~tether.health.HealthMonitor`
+:mod:`tether.diagnostics.health`'s, replayed over ``metrics.jsonl`` by the same :class:`~tether.diagnostics.health.HealthMonitor`
 that raises live alerts. Prescriptions come from reference §D (D.2–D.5), in priority order, each with the
 config key to change and, when the run's ``config.yaml`` has it, the current value and a suggestion.
 
@@ -21,9 +21,19 @@ from typing import Any, Callable
 import yaml
 
 from tether.config import config_from_dict
+from tether.diagnostics.health import (
+    BANDS,
+    KL_EXPLOSION,
+    MODE_COLLAPSE,
+    NOT_LEARNING,
+    RATIO,
+    REWARD_HACKING,
+    VALUE_COLLAPSE,
+    Alert,
+    HealthConfig,
+    HealthMonitor,
+)
 from tether.errors import TetherError
-from tether.health import (BANDS, KL_EXPLOSION, MODE_COLLAPSE, NOT_LEARNING, RATIO, REWARD_HACKING,
-                           VALUE_COLLAPSE, Alert, HealthConfig, HealthMonitor)
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -53,7 +63,7 @@ class Rx:
     suggest: Callable[[Any], str | None] = lambda current: None
 
 
-# Reference §D, in its priority order. Config keys are those of tether.ppo_config.RunConfig.
+# Reference §D, in its priority order. Config keys are those of tether.ppo.config.RunConfig.
 PRESCRIPTIONS: dict[str, list[Rx]] = {
     KL_EXPLOSION: [  # D.2
         Rx("raise β, the KL coefficient (reference: 0.05 → 0.1–0.2)", "kl.coef", _beta),
@@ -113,7 +123,7 @@ class Diagnosis:
     healthy: bool
     failure_mode: str | None
     cause_metric: str | None  # a key of metrics.jsonl
-    cause_band: str | None  # a name in tether.health.BANDS
+    cause_band: str | None  # a name in tether.diagnostics.health.BANDS
     first_step: int | None  # the step the cause left its healthy band
     alarm_step: int | None  # the first step of its alarm
     evidence: dict = field(default_factory=dict)

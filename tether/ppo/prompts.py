@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tether.data import ASSISTANT
 from tether.errors import DataError
-
-ASSISTANT = "\n\nAssistant:"
 
 
 def _to_prompt(record: dict) -> dict | None:

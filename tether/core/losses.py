@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tether.advantages import masked_mean
+from tether.core.advantages import masked_mean
 
 LOG_RATIO_CLAMP = 20.0  # |log π − log π_old| above this is a numerical accident, not a policy update
 

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
+from tether.hf import DTYPES, disable_dropout, quiet_transformers
 from tether.presets import resolve_model_path
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -31,13 +30,6 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
             raise TetherError(f"{path}: the tokenizer has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """PPO needs deterministic forwards: with dropout the first minibatch's ratio would not be 1."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
 
 
 def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
@@ -104,7 +96,7 @@ def load_policy(cfg_model) -> tuple[Policy, object, Path]:
     reference = None
     if cfg_model.lora_r > 0:
         model = apply_lora(model, cfg_model.lora_r, cfg_model.lora_alpha, cfg_model.lora_dropout,
-                           cfg_model.lora_target)
+                           cfg_model.lora_target_modules)
     else:
         reference = load_causal_lm(path, cfg_model.dtype, cfg_model.trust_remote_code)
     if model.config.pad_token_id is None:
@@ -167,8 +159,6 @@ def load_critic(cfg_critic, policy: Policy, tokenizer, default_backbone: Path | 
         raise TetherError(f"--critic-model {source}: its tokenizer differs from the policy's; a separate "
                           f"critic reads the policy's tokens, so it must share the policy's tokenizer "
                           f"(use --critic head, or a critic built on the policy's tokenizer)")
-    from tether.reward_model import quiet_transformers
-
     with quiet_transformers():  # a reward-model directory has a score head AutoModel leaves out: expected
         backbone = AutoModel.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code)
     disable_dropout(backbone)

@@ -1,6 +1,6 @@
 """Rollout: prompt encoding, batched sampling with a KV cache (B1), and the training-side forward
-pass that gives log-probs, entropy and hidden states (B2). The :class:`Rollout` record carries one
-PPO step's frozen data.
+pass that gives log-probs, entropy and hidden states (B2). :func:`generate` makes the step's
+:class:`~tether.ppo.records.Rollout`.
 
 Positions: the query (prompt) has P tokens, left-padded; the response has T tokens, right-padded after
 its first EOS. Logits at sequence position i predict token i+1, so response token t is scored by the
@@ -11,40 +11,13 @@ state after the last token, used for the truncation bootstrap, is the hidden sta
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields
 
 import torch
 
+from tether.core.stats import entropy_from_logits, logprobs_from_logits
 from tether.data import transcript_messages
-from tether.stats import entropy_from_logits, logprobs_from_logits
-
-
-@dataclass
-class Rollout:
-    """One PPO step's batch. Everything is detached and frozen for the whole epoch loop (B7)."""
-
-    query: torch.Tensor                 # (B, P) prompt token ids, left-padded
-    query_mask: torch.Tensor            # (B, P) 1 on prompt tokens
-    response: torch.Tensor              # (B, T) sampled token ids, pad after the first EOS
-    response_mask: torch.Tensor         # (B, T) 1 up to and including the first EOS
-    ended_with_eos: torch.Tensor        # (B,) bool: False = cut by max_new_tokens (truncated)
-    logprobs_old: torch.Tensor | None = None   # (B, T) log π_old(a_t|s_t), training-side forward
-    logprobs_ref: torch.Tensor | None = None   # (B, T) log π_ref(a_t|s_t)
-    values_old: torch.Tensor | None = None     # (B, T) V_old(s_t)
-    last_values: torch.Tensor | None = None    # (B,) V_old(s_T) for truncated rows, 0 for EOS rows
-    scores: torch.Tensor | None = None         # (B,) sequence scores after penalties/normalisation/clip
-    kl: torch.Tensor | None = None             # (B, T) per-token KL_t estimate
-    rewards: torch.Tensor | None = None        # (B, T) r̃_t = −β·KL_t (+ score on the last token)
-    advantages: torch.Tensor | None = None     # (B, T) Â_t (whitened when configured)
-    returns: torch.Tensor | None = None        # (B, T) R_t = Â_t + V_old(s_t), before whitening
-
-    def __len__(self) -> int:
-        return self.query.shape[0]
-
-    def select(self, index: torch.Tensor) -> "Rollout":
-        """The rows ``index`` of every tensor (a minibatch is one indexing helper, not many tensors)."""
-        return Rollout(**{f.name: (v[index] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
-                          for f in fields(self)})
+from tether.ppo.models import ValueHead
+from tether.ppo.records import Rollout
 
 
 def prompt_messages(prompt: str, system_prompt: str = "", template: str = "{prompt}") -> list[dict[str, str]]:
@@ -172,8 +145,6 @@ def forward_response(model, batch: Rollout, temperature: float, need_hidden: boo
 def critic_values(critic, batch: Rollout, hidden: torch.Tensor | None) -> torch.Tensor:
     """V(s_0) … V(s_T), (B, T+1): from the policy's (detached) hidden states for a value head, or from
     a separate critic's own forward."""
-    from tether.models import ValueHead
-
     head = getattr(critic, "module", critic)
     if isinstance(head, ValueHead):
         return critic(hidden.detach())

@@ -9,20 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tether.config import option
+from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
-from tether.health import HealthConfig
+from tether.hf import DTYPE_ALIASES, DTYPES
 
 
 @dataclass
 class ModelConfig:
     policy: str = option("", "policy: a local Hugging Face causal-LM directory or a preset name", flag="--policy")
     dtype: str = option("fp32", "weights dtype of the frozen parts; trainable weights stay fp32 (C5)",
-                        choices=("fp32", "bf16", "fp16"))
+                        choices=tuple(DTYPES), value_aliases=DTYPE_ALIASES)
     lora_r: int = option(0, "LoRA rank for the policy; 0 = full fine-tune (the reference is then a frozen copy)",
                          low=0, flag="--lora-r")
     lora_alpha: int = option(16, "LoRA alpha", low=1)
     lora_dropout: float = option(0.0, "LoRA dropout (0 keeps the first minibatch's ratio exactly 1)", low=0, high=1)
-    lora_target: str = option("all-linear", "LoRA target modules: 'all-linear' or comma-separated module names")
+    lora_target_modules: str = option("all-linear", "LoRA target modules: 'all-linear' or comma-separated module "
+                                      "names", aliases=("lora_target",))
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
 
@@ -155,7 +157,11 @@ class RunConfig:
     save_every: int = option(0, "checkpoint every N steps (and at the end); 0 = only at the end", low=0,
                              flag="--save-every")
     keep_checkpoints: int = option(2, "newest checkpoints kept", low=1)
-    tensorboard: bool = option(False, "also log metrics to TensorBoard (needs tensorboard)")
+    log_with: list[str] = option([], "experiment trackers through accelerate (tensorboard, wandb, mlflow, comet_ml, "
+                                 "aim, clearml, dvclive, swanlab, trackio, all); repeatable or a comma list",
+                                 flag="--log-with", repeat=True)
+    tracker_project: str = option("tether", "project name for the trackers (TensorBoard writes RUN_DIR/PROJECT/)")
+    tensorboard: bool = option(False, "the same as --log-with tensorboard (kept for older configs)")
     progress: bool = option(True, "show a progress bar")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,11 +1,11 @@
-"""``tether ppo``: flags and YAML for :class:`~tether.ppo_config.RunConfig`, then :func:`tether.ppo_train.train`."""
+"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :func:`tether.ppo.train.train`."""
 
 from __future__ import annotations
 
 import os
 
 from tether.config import add_config_flags, resolve_config
-from tether.ppo_config import RunConfig
+from tether.ppo.config import RunConfig
 
 
 def add_arguments(parser) -> None:
@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tether.ppo_train import train
+    from tether.ppo.train import train
 
     cfg = resolve_config(RunConfig, args, args.config)
     run_dir = train(cfg, resume=args.resume)

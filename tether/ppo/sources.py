@@ -88,7 +88,7 @@ class RewardModelSource:
     """One reward model or an ensemble, scoring decoded text with its own tokenizer (standardised)."""
 
     def __init__(self, directories: list[str], reduce: str = "mean", batch_size: int = 64, device=None):
-        from tether.reward_model import RewardEnsemble, RewardModel
+        from tether.rm.model import RewardEnsemble, RewardModel
 
         self.name = "+".join(directories)
         models = [RewardModel.from_pretrained(d, device=device) for d in directories]

@@ -1,0 +1,53 @@
+"""Loading Hugging Face models and tokenizers: the pieces both stages share (quiet loading, a pad token,
+dropout off, dtype names). Shared layer: imports torch and, lazily, transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+# One spelling per dtype everywhere (config, CLI, saved runs); the long names are accepted as aliases.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Hide transformers' load reports (\"newly initialized: score.weight\"): tether says it in one line."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def ensure_pad_token(tokenizer, model=None) -> None:
+    """Give the tokenizer a pad token if it has none (EOS, else UNK, else a new ``[PAD]``) and tell the
+    model's config. Safe because pooling reads the attention mask, not the pad id."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        elif tokenizer.unk_token is not None:
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+            if model is not None:
+                model.resize_token_embeddings(len(tokenizer))
+    if model is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO needs deterministic forwards: with dropout the first minibatch's ratio would not be 1."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0

@@ -1,0 +1,48 @@
+"""Evaluation on held-out prompts (B13): mean reward, the gold metric where a rule exists, the KL of
+each response to the reference, and sample responses for ``samples/step_K.jsonl``."""
+
+from __future__ import annotations
+
+import torch
+
+from tether.core.kl import kl_penalty
+from tether.ppo.prompts import collate_fields
+from tether.ppo.rollout import forward_response
+from tether.ppo.sources import call_rule, score_responses
+from tether.ppo.step import rollout_batch
+
+
+@torch.no_grad()
+def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
+    """Mean reward and gold accuracy on held-out prompts (B13), with per-response samples.
+    ``run``: :class:`~tether.ppo.setup.Run`; evaluation runs where it is called (the main process)."""
+    m, d = run.models, run.data
+    rows = (d.eval_rows or [])[: cfg.eval.n]
+    if not rows:
+        return {}, []
+    model = m.unwrapped_policy
+    samples, scores_all, correct_all = [], [], []
+    for start in range(0, len(rows), cfg.batch_size):
+        chunk = rows[start:start + cfg.batch_size]
+        prompts, fields = [r["prompt"] for r in chunk], collate_fields(chunk)
+        rollout, responses = rollout_batch(m, cfg, chunk, greedy=cfg.eval.greedy)
+        logprobs, _, _ = forward_response(model, rollout, cfg.generation.temperature)
+        with m.policy.reference_model(model) as reference:
+            logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
+        kl = (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator) * rollout.response_mask).sum(dim=1)
+        scores = score_responses(d.sources, prompts, responses, fields)
+        correct = call_rule(d.gold, prompts, responses, fields) if d.gold is not None else None
+        for i, (prompt, response) in enumerate(zip(prompts, responses)):
+            sample = {"prompt": prompt, "response": response, "score": float(scores[i]), "kl": float(kl[i]),
+                      "length": int(rollout.response_mask[i].sum()), "truncated": not bool(rollout.ended_with_eos[i])}
+            if correct is not None:
+                sample["correct"] = bool(correct[i] > 0.5)
+            samples.append(sample)
+        scores_all.append(scores)
+        if correct is not None:
+            correct_all.append(correct)
+    metrics = {"eval/reward": float(torch.cat(scores_all).mean()), "eval/n": len(samples),
+               "eval/kl_sequence": sum(s["kl"] for s in samples) / len(samples)}
+    if correct_all:
+        metrics["eval/accuracy"] = float((torch.cat(correct_all) > 0.5).float().mean())
+    return metrics, samples

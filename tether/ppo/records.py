@@ -1,0 +1,75 @@
+"""The typed records of one PPO step, in the order the step makes them (STYLE habit 4).
+
+- :class:`Rollout` — what generation made: prompt and response token ids, their masks, how each response
+  ended. Built complete by :func:`tether.ppo.rollout.generate`.
+- :class:`Experience` — what scoring added to a rollout: old and reference log-probs, old values, scores,
+  per-token KL and rewards, advantages and returns. Built complete once, after GAE and whitening, and
+  frozen for the whole epoch loop (B7): nothing is filled in later.
+
+Positions: the query (prompt) has P tokens, left-padded; the response has T tokens, right-padded after
+its first EOS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+def _select(record, index: torch.Tensor):
+    """The rows ``index`` of every tensor field of ``record`` (nested records too), as a new record."""
+    def pick(v):
+        if isinstance(v, torch.Tensor):
+            return v[index]
+        return v.select(index) if hasattr(v, "select") else v
+
+    return type(record)(**{f.name: pick(getattr(record, f.name)) for f in fields(record)})
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What generation made for one batch of prompts."""
+
+    query: torch.Tensor            # (B, P) prompt token ids, left-padded
+    query_mask: torch.Tensor       # (B, P) 1 on prompt tokens
+    response: torch.Tensor         # (B, T) sampled token ids, pad after the first EOS
+    response_mask: torch.Tensor    # (B, T) 1 up to and including the first EOS
+    ended_with_eos: torch.Tensor   # (B,) bool: False = cut by max_new_tokens (truncated)
+
+    def __len__(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)  # (B,) response tokens up to and including EOS
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        return _select(self, index)
+
+
+@dataclass(frozen=True)
+class Experience:
+    """A rollout with everything scoring added (B2–B8): the frozen inputs of the epoch loop.
+    A minibatch is ``experience.select(index)``."""
+
+    rollout: Rollout
+    logprobs_old: torch.Tensor     # (B, T) log π_old(a_t|s_t), training-side forward (B2)
+    logprobs_ref: torch.Tensor     # (B, T) log π_ref(a_t|s_t) (B3)
+    values_old: torch.Tensor       # (B, T) V_old(s_t), 0 on padding
+    last_values: torch.Tensor      # (B,) V_old(s_T) for truncated rows, 0 for rows that ended with EOS (B7)
+    scores: torch.Tensor           # (B,) sequence scores after penalties, normalisation and clip (B4)
+    kl: torch.Tensor               # (B, T) per-token KL_t estimate, 0 on padding (B5)
+    rewards: torch.Tensor          # (B, T) r̃_t = −β·KL_t, plus the score on the last token (B5)
+    advantages: torch.Tensor       # (B, T) Â_t, whitened when configured (B7, B8)
+    returns: torch.Tensor          # (B, T) R_t = Â_t + V_old(s_t), before whitening (B7)
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.rollout.response_mask
+
+    def select(self, index: torch.Tensor) -> "Experience":
+        return _select(self, index)

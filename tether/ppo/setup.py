@@ -1,0 +1,251 @@
+"""Set up a PPO run: processes (accelerate), models, optimisation, and the data the step reads.
+
+:func:`setup` returns a :class:`Run` of four typed parts, each built by one small function:
+
+- :class:`Processes` — the accelerator, this process's rank, the cross-process reductions the step's
+  metrics need, and the one place that decides what only the main process does (``is_main``);
+- :class:`Models` — tokenizer, policy (and its reference), critic;
+- :class:`Optimisation` — optimisers, schedulers, the parameters they own, the KL controller;
+- :class:`Data` — the prompt stream, held-out rows, reward sources, the gold rule, the score normaliser.
+
+``tether.ppo.step`` reads the same on one CPU process and under ``accelerate launch --num_processes N``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from tether.core.kl import FixedKLController, make_kl_controller
+from tether.errors import TetherError
+from tether.ppo.models import Policy, ValueHead, load_critic, load_policy, load_tokenizer, same_vocabulary
+from tether.ppo.prompts import PromptStream, load_prompts
+from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Processes:
+    """This process among the run's processes. Metrics are reduced over all of them; files, trackers
+    and console lines come from the main process only (see :class:`tether.ppo.train.RunLog`)."""
+
+    accelerator: Accelerator
+    device: torch.device
+    world_size: int
+    rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _reduce(self, x, op) -> float:
+        t = torch.as_tensor(x, dtype=torch.float64, device=self.device).detach().clone()
+        if self.world_size > 1:
+            torch.distributed.all_reduce(t, op=op)
+        return float(t)
+
+    def global_mean(self, x) -> float:
+        return self._reduce(x, torch.distributed.ReduceOp.SUM if self.world_size > 1 else None) / self.world_size
+
+    def global_sum(self, x) -> float:
+        return self._reduce(x, torch.distributed.ReduceOp.SUM if self.world_size > 1 else None)
+
+    def global_max(self, x) -> float:
+        return self._reduce(x, torch.distributed.ReduceOp.MAX if self.world_size > 1 else None)
+
+    def global_min(self, x) -> float:
+        return self._reduce(x, torch.distributed.ReduceOp.MIN if self.world_size > 1 else None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    @contextlib.contextmanager
+    def no_sync(self, models: list[nn.Module], last: bool):
+        """Skip DDP's gradient all-reduce on every micro-batch but the last of a minibatch."""
+        with contextlib.ExitStack() as stack:
+            if not last and self.world_size > 1:
+                for model in models:
+                    stack.enter_context(self.accelerator.no_sync(model))
+            yield
+
+    def wait(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+
+@dataclass
+class Models:
+    """The models of the run. ``policy_model``/``critic`` are what trains (DDP-wrapped under several
+    processes); ``unwrapped_*`` are the same modules unwrapped (generation, saving)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    use_chat_template: bool
+    policy: Policy                 # reference access: the adapter disabled (LoRA) or the frozen copy
+    policy_model: nn.Module
+    unwrapped_policy: PreTrainedModel
+    critic: nn.Module              # ValueHead on the policy's hidden states, or SeparateCritic
+    unwrapped_critic: nn.Module
+
+    @property
+    def critic_is_head(self) -> bool:
+        return isinstance(self.unwrapped_critic, ValueHead)
+
+
+@dataclass
+class Optimisation:
+    """What updates the weights and β, and the state a checkpoint must carry to resume exactly."""
+
+    policy_optimizer: torch.optim.Optimizer
+    critic_optimizer: torch.optim.Optimizer
+    policy_scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler
+    policy_params: list[nn.Parameter]
+    critic_params: list[nn.Parameter]
+    kl_controller: FixedKLController   # fixed, adaptive or proportional (same interface)
+
+
+@dataclass
+class Data:
+    """What the step reads besides the models: prompts, reward sources, the gold rule, the score normaliser."""
+
+    prompts: PromptStream
+    eval_rows: list[dict]
+    sources: list[Callable]        # each (prompts, responses, fields) -> (B,) scores
+    gold: Callable | None          # rule for eval/accuracy
+    running_scores: RunningMoments
+
+
+@dataclass
+class Run:
+    processes: Processes
+    models: Models
+    optim: Optimisation
+    data: Data
+
+
+def seed_everything(seed: int, rank: int = 0) -> None:
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)  # ranks sample different responses
+
+
+def resolve_gold(spec: str, rows: list[dict]):
+    """The eval/accuracy rule: explicit ``module:function``, ``none``, or ``auto`` (the math rule when
+    the prompt rows carry an ``answer``)."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        if rows and all("answer" in r for r in rows):
+            from tether.rules import math_correct
+
+            return math_correct
+        return None
+    return load_rule(spec)
+
+
+def load_prompt_sets(cfg) -> tuple[list[dict], list[dict]]:
+    """Training and held-out prompt rows (a seeded split of --prompts when there is no --eval-prompts)."""
+    rows = load_prompts(cfg.data.prompts)
+    if cfg.data.eval_prompts:
+        return rows, load_prompts(cfg.data.eval_prompts)
+    if cfg.data.eval_fraction > 0:
+        g = torch.Generator().manual_seed(cfg.seed)
+        order = torch.randperm(len(rows), generator=g).tolist()
+        n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
+        return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+    return rows, []
+
+
+def default_critic_backbone(cfg, tokenizer, policy_path: Path) -> Path:
+    """A separate critic starts from the first reward model when it shares the policy's tokenizer
+    (the common recipe), else from the policy."""
+    for spec in cfg.reward.sources:
+        if is_reward_model_dir(spec):
+            try:
+                if same_vocabulary(load_tokenizer(spec), tokenizer):
+                    return Path(spec)
+            except (OSError, ValueError):
+                pass
+    return policy_path
+
+
+def make_processes(cfg) -> Processes:
+    """The accelerator (DDP across processes; trackers from ``--log-with``, logging under the run directory)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from tether.ppo.runlog import check_trackers, tracker_names
+
+    trackers = tracker_names(cfg)
+    check_trackers(trackers)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None,
+                              project_dir=cfg.output_dir,
+                              kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index)
+
+
+def chat_template_on(cfg, tokenizer) -> bool:
+    """Whether prompts go through the tokenizer's chat template (data.chat_template), checked against it."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if cfg.data.chat_template == "on" and not has_template:
+        raise TetherError(f"--policy {cfg.model.policy}: data.chat_template=on but the tokenizer has no chat template")
+    use = cfg.data.chat_template == "on" or (cfg.data.chat_template == "auto" and has_template)
+    if cfg.data.system_prompt and not use:
+        raise TetherError(f"--system-prompt: the policy {cfg.model.policy} is not prompted through a chat template "
+                          "(data.chat_template); put the instruction in --prompt-template instead")
+    return use
+
+
+def make_optimisation(cfg, policy: Policy, critic: nn.Module) -> Optimisation:
+    from transformers import get_scheduler
+
+    o = cfg.optim
+    policy_params = [p for p in policy.model.parameters() if p.requires_grad]
+    critic_params = [p for p in critic.parameters() if p.requires_grad]
+    policy_optimizer = torch.optim.AdamW(policy_params, lr=o.lr, weight_decay=o.weight_decay, eps=o.adam_eps)
+    critic_optimizer = torch.optim.AdamW(critic_params, lr=o.critic_lr, weight_decay=o.weight_decay, eps=o.adam_eps)
+    total_updates = cfg.steps * cfg.ppo.epochs * cfg.ppo.mini_batches
+    return Optimisation(
+        policy_optimizer=policy_optimizer, critic_optimizer=critic_optimizer,
+        policy_scheduler=get_scheduler(o.schedule, policy_optimizer, o.warmup_steps, total_updates),
+        critic_scheduler=get_scheduler(o.schedule, critic_optimizer, o.warmup_steps, total_updates),
+        policy_params=policy_params, critic_params=critic_params,
+        kl_controller=make_kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon))
+
+
+def setup(cfg) -> Run:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # tether shows its own progress
+    processes = make_processes(cfg)
+    seed_everything(cfg.seed, processes.rank)
+
+    train_rows, eval_rows = load_prompt_sets(cfg)
+    policy, tokenizer, policy_path = load_policy(cfg.model)
+    sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device)
+    critic = load_critic(cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path),
+                         cfg.model.trust_remote_code)
+    use_chat_template = chat_template_on(cfg, tokenizer)
+    optim = make_optimisation(cfg, policy, critic)
+
+    accelerator = processes.accelerator
+    if policy.reference is not None:
+        policy.reference.to(processes.device)
+    policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
+        policy.model, critic, optim.policy_optimizer, optim.critic_optimizer)
+    policy_model.train()
+    critic.train()
+    models = Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
+                    policy_model=policy_model, unwrapped_policy=accelerator.unwrap_model(policy_model),
+                    critic=critic, unwrapped_critic=accelerator.unwrap_model(critic))
+    data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
+                eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
+                running_scores=RunningMoments())
+    return Run(processes, models, optim, data)

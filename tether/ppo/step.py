@@ -1,0 +1,241 @@
+"""Stage B: PPO against a reward, tethered to a frozen reference by a per-token KL penalty.
+
+:func:`ppo_step` is the algorithm, top to bottom in data-flow order (reference 000 §B.3):
+
+  1. rollout: sample responses (B1)                 6. GAE with the truncation bootstrap (B7)
+  2. old log-probs, training-side forward (B2)      7. whiten advantages (B8); freeze: the Experience
+  3. reference log-probs (B3)                       8. ppo_epochs × shuffled minibatches (B9, B6)
+  4. values V_old(s_t) and V_old(s_T)               9. early stop on approx KL to π_old (B10)
+  5. scores (B4) → per-token rewards (B5)          10. KL controller (B11)
+
+It reads a :class:`~tether.ppo.setup.Run` (processes, models, optimisation, data) and makes the two
+records of :mod:`tether.ppo.records`: the :class:`Rollout` (step 1) and the :class:`Experience` (end of
+step 7), which the epoch loop only reads. The run loop around it is :mod:`tether.ppo.train`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from tether.core.advantages import gae, masked_mean, masked_var, shaped_rewards, whiten
+from tether.core.kl import kl_penalty
+from tether.core.losses import ppo_policy_loss, ppo_value_loss
+from tether.core.stats import explained_variance, repetition_rate
+from tether.ppo.prompts import collate_fields
+from tether.ppo.records import Experience, Rollout
+from tether.ppo.rollout import critic_values, encode_prompts, forward_response, generate
+from tether.ppo.sources import postprocess_scores, score_responses
+
+
+@dataclass
+class PhaseTimer:
+    """Wall seconds per phase of one step (C2)."""
+
+    seconds: dict = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
+    """Encode prompts, sample responses with the (unwrapped) policy, decode the valid response tokens.
+    ``models``: :class:`~tether.ppo.setup.Models`."""
+    query, query_mask = encode_prompts(models.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
+                                       models.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
+    g = cfg.generation
+    device = models.unwrapped_policy.device
+    rollout = generate(models.unwrapped_policy, models.tokenizer, query.to(device), query_mask.to(device),
+                       g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy,
+                       min_new_tokens=0 if greedy else g.min_new_tokens)
+    texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
+                                          skip_special_tokens=True)
+    return rollout, texts
+
+
+@torch.no_grad()
+def ppo_step(run, cfg, step: int) -> dict:
+    """One PPO step on ``run`` (:class:`~tether.ppo.setup.Run`). Returns the metrics."""
+    p, m, o, d = run.processes, run.models, run.optim, run.data
+    timer = PhaseTimer()
+    rows = d.prompts.next_batch()
+    prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
+
+    # 1. Rollout (B1): sample with the KV cache, stop when every row has ended; EOS vs truncated recorded.
+    with timer("generate"):
+        rollout, responses = rollout_batch(m, cfg, rows)
+    mask = rollout.response_mask.float()  # (B, T)
+    lengths = rollout.lengths  # (B,)
+
+    with timer("score"):
+        # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch.
+        logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, cfg.generation.temperature,
+                                                         need_hidden=m.critic_is_head)
+        # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen copy.
+        with m.policy.reference_model(m.policy_model) as reference:
+            logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
+        # 4. Values of s_0 … s_T; V(s_T) bootstraps rows cut by max_new_tokens, 0 after EOS (B7).
+        values_all = critic_values(m.critic, rollout, hidden)  # (B, T+1)
+        values_old = values_all[:, :-1] * mask
+        last_values = values_all[torch.arange(len(rollout), device=p.device), lengths] \
+            * (~rollout.ended_with_eos).float()
+        # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5).
+        scores_raw = score_responses(d.sources, prompts, responses, fields).to(p.device)
+        scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores)
+        kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * mask  # (B, T)
+        rewards = shaped_rewards(scores, kl, o.kl_controller.value, mask)
+        # 6. GAE (B7). Returns use the un-whitened advantages.
+        advantages, returns = gae(rewards, values_old, mask, cfg.gae.gamma, cfg.gae.lam, last_values)
+        # 7. Whitening (B8) over the valid tokens of all ranks; then everything is frozen.
+        if cfg.ppo.whiten_advantages:
+            advantages = whiten(advantages, mask, distributed=p.world_size > 1)
+    experience = Experience(rollout=rollout, logprobs_old=logprobs_old, logprobs_ref=logprobs_ref,
+                            values_old=values_old, last_values=last_values, scores=scores, kl=kl,
+                            rewards=rewards, advantages=advantages, returns=returns)
+
+    # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
+    with timer("train"), torch.enable_grad():
+        train_stats, epochs_run = ppo_epochs(run, cfg, experience, step)
+
+    # 10. KL controller (B11) on this step's mean per-token KL to the reference.
+    kl_mean = p.global_mean(masked_mean(kl, mask))
+    beta_used = o.kl_controller.value
+    o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
+
+    return {
+        "objective/scores": p.global_mean(scores.mean()),
+        "objective/scores_raw": p.global_mean(scores_raw.mean()),
+        "objective/rlhf_reward": p.global_mean(rewards.sum(dim=1).mean()),
+        "objective/kl": kl_mean,
+        "objective/kl_max": p.global_max(kl[mask.bool()].max() if mask.any() else kl.new_zeros(())),
+        "objective/kl_sequence": p.global_mean(kl.sum(dim=1).mean()),
+        "objective/kl_coef": beta_used,
+        **train_stats,
+        "policy/entropy": p.global_mean(masked_mean(entropy, mask)),
+        **value_metrics(p, values_old, returns, mask),
+        **response_metrics(p, rollout),
+        **perf_metrics(timer, p.global_sum(lengths.sum().float())),
+        "ppo/epochs_run": epochs_run,
+        "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
+    }
+
+
+def value_metrics(p, values_old: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict:
+    return {"value/explained_variance": p.global_mean(explained_variance(values_old, returns, mask)),
+            "value/mean": p.global_mean(masked_mean(values_old, mask)),
+            "value/std": p.global_mean(masked_var(values_old, mask).sqrt()),
+            "value/returns_std": p.global_mean(masked_var(returns, mask).sqrt())}
+
+
+def response_metrics(p, rollout: Rollout) -> dict:
+    lengths = rollout.lengths.float()
+    return {"response/length_mean": p.global_mean(lengths.mean()),
+            "response/length_min": p.global_min(lengths.min()),
+            "response/length_max": p.global_max(lengths.max()),
+            "response/truncated_fraction": p.global_mean((~rollout.ended_with_eos).float().mean()),
+            "response/repetition": repetition_rate(rollout.response, rollout.response_mask, n=3)}
+
+
+def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:
+    seconds_step = sum(timer.seconds.values())
+    return {"perf/seconds_generate": timer.seconds["generate"], "perf/seconds_score": timer.seconds["score"],
+            "perf/seconds_train": timer.seconds["train"], "perf/seconds_step": seconds_step,
+            "perf/tokens_per_second": n_tokens / max(seconds_step, 1e-9),
+            "perf/rollout_share": timer.seconds["generate"] / max(seconds_step, 1e-9)}
+
+
+def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
+    """ppo.epochs × shuffled minibatches of clipped policy and value updates (B9, B6), with gradient
+    accumulation, per-model grad-norm clipping, critic warm-up and the KL early stop (B10)."""
+    p, m = run.processes, run.models
+    critic_only = step <= cfg.critic.warmup_steps
+    sums: dict[str, float] = {}
+    counts = 0
+    ratio_max = 0.0
+    epochs_run = 0
+    # A per-step generator makes the minibatch order independent of everything else (exact resume).
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    micro = cfg.minibatch_size // cfg.ppo.grad_accumulation
+    for epoch in range(cfg.ppo.epochs):
+        order = torch.randperm(len(experience), generator=g).to(p.device)
+        epoch_kl = []
+        for start in range(0, len(experience), cfg.minibatch_size):
+            minibatch = experience.select(order[start:start + cfg.minibatch_size])
+            # The losses are token means over the minibatch of *all* processes. DDP averages gradients over
+            # processes, so a micro-batch weighs (its tokens × world size / all processes' tokens): processes
+            # holding more tokens weigh more, exactly as one process with the whole minibatch would.
+            n_tokens = max(p.global_sum(minibatch.response_mask.sum()), 1.0) / p.world_size
+            run.optim.policy_optimizer.zero_grad(set_to_none=True)
+            run.optim.critic_optimizer.zero_grad(set_to_none=True)
+            stats_mb: dict[str, float] = {}
+            for m0 in range(0, len(minibatch), micro):
+                mb = minibatch.select(torch.arange(m0, m0 + micro, device=p.device))
+                weight = mb.response_mask.sum() / n_tokens
+                with p.no_sync([m.policy_model, m.critic], last=m0 + micro >= len(minibatch)):
+                    stats = minibatch_loss(run, cfg, mb, critic_only, weight)
+                ratio_max = max(ratio_max, stats.pop("ratio_max", 0.0))
+                for k, v in stats.items():
+                    stats_mb[k] = stats_mb.get(k, 0.0) + v * weight.item()
+            stats_mb.update(clip_and_step(run.optim, cfg, critic_only))
+            for k, v in stats_mb.items():
+                sums[k] = sums.get(k, 0.0) + v
+            counts += 1
+            epoch_kl.append(stats_mb.get("policy/approx_kl", 0.0))
+        epochs_run += 1
+        approx_kl = p.global_mean(torch.tensor(sum(epoch_kl) / len(epoch_kl)))
+        if cfg.ppo.early_stop and not critic_only and approx_kl > cfg.ppo.early_stop_factor * cfg.kl.target:
+            break
+    out = {k: p.global_mean(torch.tensor(v / counts)) for k, v in sums.items()}
+    if not critic_only:
+        out["policy/ratio_max"] = p.global_max(torch.tensor(ratio_max))
+    return out, epochs_run
+
+
+def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Tensor) -> dict:
+    """Forward one micro-batch, backward ``weight ×`` (−L_CLIP + c1·L_VF − c2·H); returns its stats."""
+    m = run.models
+    mask = mb.response_mask.float()
+    with (torch.no_grad() if critic_only else torch.enable_grad()):
+        logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
+                                                     need_hidden=m.critic_is_head)
+    values = critic_values(m.critic, mb.rollout, hidden)[:, :-1]  # (B, T)
+    clip_v = cfg.ppo.clip_range_value or None
+    value_loss, value_stats = ppo_value_loss(values, mb.values_old, mb.returns, mask, clip_v)
+    loss = cfg.ppo.vf_coef * value_loss
+    stats = {"value/loss": value_loss.item(), "value/clip_fraction": value_stats["clip_fraction"].item()}
+    if not critic_only:
+        policy_loss, policy_stats = ppo_policy_loss(logprobs, mb.logprobs_old, mb.advantages, mask,
+                                                    cfg.ppo.clip_range)
+        entropy_mean = masked_mean(entropy, mask)
+        loss = loss + policy_loss - cfg.ppo.entropy_coef * entropy_mean
+        stats.update({"policy/loss": policy_loss.item(),
+                      "policy/clip_fraction": policy_stats["clip_fraction"].item(),
+                      "policy/approx_kl": policy_stats["approx_kl"].item(),
+                      "policy/ratio_mean": policy_stats["ratio_mean"].item(),
+                      "policy/ratio_std": policy_stats["ratio_std"].item(),
+                      "ratio_max": policy_stats["ratio_max"].item()})
+    run.processes.backward(loss * weight)
+    return stats
+
+
+def clip_and_step(optim, cfg, critic_only: bool) -> dict:
+    """Clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs.
+    ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
+    max_norm = cfg.optim.max_grad_norm or float("inf")
+    out = {}
+    if not critic_only:
+        out["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
+        optim.policy_optimizer.step()
+        optim.policy_scheduler.step()
+        out["policy/lr"] = optim.policy_scheduler.get_last_lr()[0]
+    out["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
+    optim.critic_optimizer.step()
+    optim.critic_scheduler.step()
+    out["value/lr"] = optim.critic_scheduler.get_last_lr()[0]
+    return out

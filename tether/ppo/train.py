@@ -1,0 +1,173 @@
+"""The PPO run around :func:`tether.ppo.step.ppo_step`: resume, the step loop with progress, evaluation on
+held-out prompts (B13), checkpoints (B14), live health alerts (D3), and the final policy export.
+
+Run directory: ``config.yaml``, ``metrics.jsonl`` (one row per step), ``samples/step_K.jsonl``,
+``alerts.jsonl``, ``checkpoints/step_K/``, and ``policy/`` (the final policy as a plain Hugging Face
+model directory, LoRA merged). What is written, and by which process, is :class:`~tether.ppo.runlog.RunLog`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tether.checkpoint import atomic_dir, list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tether.errors import TetherError
+from tether.ppo.evaluate import evaluate
+from tether.ppo.runlog import RunLog
+from tether.ppo.step import ppo_step
+
+
+def trainer_state(run, step: int) -> dict:
+    o, d = run.optim, run.data
+    return {"step": step, "policy_optimizer": o.policy_optimizer.state_dict(),
+            "critic_optimizer": o.critic_optimizer.state_dict(),
+            "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": o.critic_scheduler.state_dict(),
+            "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
+            "prompts": d.prompts.state_dict(), "rng": rng_state()}
+
+
+def restore(run, run_dir: Path) -> int:
+    """Load the newest complete checkpoint into ``run``; returns its step."""
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise TetherError(f"--resume: {run_dir} has no complete checkpoint")
+    o, d = run.optim, run.data
+    state = load_checkpoint(checkpoints[-1], run.models.unwrapped_policy, run.models.unwrapped_critic)
+    o.policy_optimizer.load_state_dict(state["policy_optimizer"])
+    o.critic_optimizer.load_state_dict(state["critic_optimizer"])
+    o.policy_scheduler.load_state_dict(state["policy_scheduler"])
+    o.critic_scheduler.load_state_dict(state["critic_scheduler"])
+    o.kl_controller.load_state_dict(state["kl_controller"])
+    d.running_scores.load_state_dict(state["running_scores"])
+    d.prompts.load_state_dict(state["prompts"])
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def export_policy(run, run_dir: Path) -> Path:
+    """The final policy as a plain Hugging Face directory (LoRA merged into a copy), with its tokenizer."""
+    model = run.models.unwrapped_policy
+
+    def write(tmp: Path):
+        if hasattr(model, "peft_config"):
+            import copy
+
+            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        run.models.tokenizer.save_pretrained(tmp)
+
+    return atomic_dir(run_dir / "policy", write)
+
+
+def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
+    """Evaluate on the main process (the others get no eval metrics) and write its samples."""
+    if not run.processes.is_main:
+        return {}
+    metrics, samples = evaluate(run, cfg, step)
+    log.samples(step, samples, cfg.eval.samples)
+    return metrics
+
+
+def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
+    """Save checkpoint ``step`` from the main process; every process waits for it."""
+    saved = None
+    if run.processes.is_main:
+        saved = save_checkpoint(run_dir, step, run.models.unwrapped_policy, run.models.unwrapped_critic,
+                                trainer_state(run, step), cfg.keep_checkpoints)
+    run.processes.wait()
+    return saved
+
+
+def train(cfg, resume: bool = False) -> Path:
+    """Run (or resume) PPO as configured; returns the run directory."""
+    from tqdm.auto import tqdm
+
+    from tether.diagnostics.health import HealthMonitor
+    from tether.ppo.setup import setup
+
+    run_dir = Path(cfg.output_dir)
+    if not resume and ((run_dir / "metrics.jsonl").exists() or list_checkpoints(run_dir)):
+        raise TetherError(f"--output-dir {run_dir}: already holds a run; use --resume to continue it "
+                          f"or choose another directory")
+    run = setup(cfg)
+    start = restore(run, run_dir) if resume else 0
+    log = RunLog(run_dir, run.processes, cfg)
+    monitor = HealthMonitor(cfg.health)
+    for row in log.start(cfg, start if resume else None):  # replay history: alerts fire on new crossings only
+        monitor.update(row["step"], row)
+    healthy_checkpoints: list[tuple[int, Path]] = []  # saved while no band was in alarm
+    bar = tqdm(range(start + 1, cfg.steps + 1), desc="ppo", initial=start, total=cfg.steps,
+               disable=not (cfg.progress and run.processes.is_main), dynamic_ncols=True)
+    stopped_by_alarm = False
+    if cfg.eval.every and cfg.eval.at_start and start == 0:
+        log.metrics({"step": 0, **evaluate_and_log(run, cfg, log, 0)})
+    for step in bar:
+        metrics = ppo_step(run, cfg, step)
+        if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+            metrics.update(evaluate_and_log(run, cfg, log, step))
+        row = {"step": step, **metrics}
+        alerts = monitor.update(step, row)
+        log.metrics(row)
+        for alert in alerts:
+            log.alert(step, alert)
+        bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.4f}",
+                        beta=f"{row['objective/kl_coef']:.3g}")
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            saved = checkpoint(run, cfg, run_dir, step)
+            if saved is not None and monitor.healthy:
+                healthy_checkpoints.append((step, saved))
+        if alerts and (cfg.health.stop_on_alarm or cfg.health.rollback):
+            stopped_by_alarm = True
+            log.print(f"[health] stopping at step {step} (health alarm)")
+            break
+    bar.close()
+    log.close()
+    if stopped_by_alarm and cfg.health.rollback:
+        rollback(run, log, monitor, healthy_checkpoints)
+    if run.processes.world_size > 1:
+        check_ranks_in_sync(run, log, run_dir)
+    if run.processes.is_main:
+        export_policy(run, run_dir)
+    run.processes.wait()
+    return run_dir
+
+
+def rollback(run, log: RunLog, monitor, healthy_checkpoints: list[tuple[int, Path]]) -> None:
+    """Restore the newest checkpoint saved before the first alarm's onset (a checkpoint saved between
+    onset and alarm counts as healthy, but its metric was already drifting)."""
+    onset = min(alert.onset_step for alert in monitor.alerts())
+    candidates = [path for step, path in healthy_checkpoints if step < onset and path.is_dir()]
+    if not candidates:
+        log.print(f"[health] no checkpoint saved before step {onset}: nothing to roll back to")
+        return
+    load_checkpoint(candidates[-1], run.models.unwrapped_policy, run.models.unwrapped_critic)
+    log.print(f"[health] rolled back to {candidates[-1].name}; policy/ holds its weights")
+
+
+def check_ranks_in_sync(run, log: RunLog, run_dir: Path) -> bool:
+    """All ranks must hold identical weights after DDP training: compare SHA-256 digests of the
+    trainable parameters across ranks and record them in ``ranks.json``."""
+    import hashlib
+
+    def digest(module) -> str:
+        h = hashlib.sha256()
+        for name, p in sorted(module.named_parameters()):
+            if p.requires_grad:
+                h.update(name.encode())
+                h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    mine = {"policy": digest(run.models.unwrapped_policy), "critic": digest(run.models.unwrapped_critic)}
+    gathered = [None] * run.processes.world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    in_sync = all(g == gathered[0] for g in gathered)
+    if run.processes.is_main:
+        (run_dir / "ranks.json").write_text(json.dumps({"world_size": run.processes.world_size, "in_sync": in_sync,
+                                                        "digests": gathered}, indent=1), encoding="utf-8")
+    if not in_sync:
+        log.print("[ddp] warning: ranks hold different weights")
+    return in_sync

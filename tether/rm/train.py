@@ -1,0 +1,301 @@
+"""Stage A: train a Bradley–Terry reward model (``tether train-rm``), top to bottom.
+
+``train_reward_model(cfg)`` reads in the order it runs:
+
+1. load preference pairs (A3) and split them by prompt (held-out prompts are never trained on); with
+   ``--dev-fraction`` a dev split is carved from the train pairs and evaluated instead of the held-out ones;
+2. load the backbone with a one-output head (A1), optionally LoRA with the head fully trained (A6), and
+   the pooling (``auto``, ``last_token``, ``mean``, ``model``);
+3. tokenise every pair with the reply kept (the prompt is cut from the left when too long);
+4. train with L = −mean log σ(r_w − r_l − m) (A2), plus an optional length regulariser or length expert;
+   one row per optimiser step goes to ``metrics.jsonl`` (``rm/loss``, ``rm/accuracy``, ``rm/grad_norm``,
+   ``rm/lr``), which ``tether report`` plots;
+5. merge LoRA, then store mean/std of raw scores on a reference sample (A5);
+6. evaluate on the held-out pairs (A4, :mod:`tether.rm.evaluate`) and print the table;
+7. write DIR atomically: model + tokenizer + ``tether_reward.json`` + ``config.yaml`` + ``eval.json`` +
+   ``metrics.jsonl`` (A7).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from tether.checkpoint import atomic_dir
+from tether.config import config_to_dict, save_config
+from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
+from tether.core.losses import bradley_terry_loss
+from tether.data import PreferencePair, balance_by_length, load_preference_pairs, split_pairs
+from tether.errors import ConfigError, DataError
+from tether.hf import DTYPES
+from tether.rm.config import RewardTrainingConfig
+from tether.rm.evaluate import evaluate_pairs, format_evaluation
+
+
+def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None = None):
+    """Run Stage A; returns the trained :class:`~tether.rm.model.RewardModel` (also saved in
+    ``cfg.output_dir``). ``pairs`` replaces ``cfg.data.files`` (e.g. the demo's generated pairs)."""
+    from tether.presets import resolve_model_path
+    from tether.rm.model import RewardModel
+
+    started = time.perf_counter()
+    torch.manual_seed(cfg.seed)  # the new head's initialisation and dropout
+    model_path = resolve_model_path(cfg.model, what="reward model")  # fail fast, before reading data
+    out_dir = Path(cfg.output_dir)
+    check_output_dir(out_dir)
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    # 1. data
+    train, held_out, data_info = load_and_split(cfg, pairs)
+    # 2. model
+    model, tokenizer, text_format, pooling = load_model(cfg, model_path, device)
+    # 3. tokens
+    encoded = encode_pairs(train, tokenizer, text_format, data_info)
+    # 4. train
+    length_w = None
+    if cfg.loss.length_expert:  # fitted once, then frozen: the model learns what length does not explain
+        tokens = torch.tensor([[c.n_reply_tokens, r.n_reply_tokens] for c, r in encoded])  # (N, 2)
+        length_w = fit_length_expert(log_length_ratio(tokens[:, 0], tokens[:, 1]))
+        print(f"length expert: w = {length_w:+.3f} per unit of log length ratio (not in the reward)")
+    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id, pooling, length_w)
+
+    # 5. a plain model + scale
+    if cfg.lora.r > 0:
+        model = model.merge_and_unload()
+    model.to(DTYPES[cfg.dtype]).eval()
+    rm = RewardModel(model, tokenizer, text_format, pooling)
+    sample = reference_sample(train, held_out, cfg.norm_sample, cfg.seed)
+    raw = rm.score([p for p, _ in sample], [r for _, r in sample], raw=True, batch_size=cfg.eval_batch_size)
+    rm.set_normalization(raw, f"chosen and rejected replies of all {len(held_out)} held-out pairs and "
+                              f"{len(sample) // 2 - len(held_out)} train pairs")
+    print(f"score scale: mean {rm.mean:.4f}, std {rm.std:.4f} on {raw.numel()} reference replies")
+
+    # 6. evaluate
+    evaluation = evaluate_pairs(rm, held_out, batch_size=cfg.eval_batch_size)
+    evaluation["split"] = data_info["evaluated_on"]
+    print(format_evaluation(evaluation))
+
+    # 7. save
+    run_info = {"seconds": round(time.perf_counter() - started, 2), "peak_rss_mb": peak_rss_mb(),
+                "final_train_loss": history[-1]["rm/loss"] if history else None}
+    if length_w is not None:
+        run_info["length_expert_w"] = length_w
+    if device.type == "cuda":
+        run_info["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    rm.metadata.update({"training": config_to_dict(cfg), "data": data_info, "evaluation": evaluation,
+                        "run": run_info})
+    save_reward_model(rm, out_dir, cfg, evaluation, history)
+    print(f"saved {out_dir} in {run_info['seconds']:.1f} s, peak memory {run_info['peak_rss_mb']:.0f} MB RSS")
+    return rm
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse to replace a non-empty folder that is not a tether reward model (it is the user's data)."""
+    from tether.rm.model import METADATA_FILE
+
+    ours = (out_dir / METADATA_FILE).is_file()
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not ours)):
+        raise ConfigError(f"--output-dir {out_dir}: exists and is not a tether reward model; refusing to replace it")
+
+
+def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
+                   ) -> tuple[list[PreferencePair], list[PreferencePair], dict]:
+    """Step 1: the pairs, split by prompt into train and held-out (or dev); what was done, for the metadata."""
+    source = ", ".join(cfg.data.files) if pairs is None else "the given pairs"
+    if pairs is None:
+        pairs, stats = load_preference_pairs(cfg.data.files, skip_invalid=cfg.data.skip_invalid)
+        print(f"data: {stats.summary()}")
+    if cfg.data.max_pairs:
+        pairs = pairs[: cfg.data.max_pairs]
+    train, held_out = split_pairs(pairs, cfg.data.eval_fraction, cfg.seed)
+    if not held_out or not train:
+        raise DataError(f"{source}: {len(pairs)} usable pair(s) over {len({p.prompt for p in pairs})} prompt(s) "
+                        f"are too few to split into train and held-out pairs by prompt (eval fraction "
+                        f"{cfg.data.eval_fraction}); give pairs for at least two different prompts")
+    data_info = {"pairs": len(pairs), "train": len(train), "held_out": len(held_out), "split": "by prompt",
+                 "held_out_prompts": len({p.prompt for p in held_out}), "evaluated_on": "held_out"}
+    print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
+          f"({data_info['held_out_prompts']} held-out prompts, never trained on)")
+    if cfg.data.dev_fraction:
+        # The held-out pairs are set aside untouched; settings are compared on prompts carved from train.
+        train, held_out = split_pairs(train, cfg.data.dev_fraction, cfg.seed)
+        data_info.update(evaluated_on="dev", train=len(train), dev=len(held_out))
+        print(f"dev split: training on {len(train)} pairs, evaluating on {len(held_out)} dev pairs carved from "
+              f"the train side; the {data_info['held_out']} held-out pairs are not used")
+    if cfg.data.balance_length:
+        n_before = len(train)
+        train = balance_by_length(train, cfg.seed)
+        data_info["balanced_train"] = len(train)
+        print(f"balance-length: kept {len(train)} of {n_before} train pairs (chosen longer = chosen shorter)")
+    return train, held_out, data_info
+
+
+def load_model(cfg: RewardTrainingConfig, model_path: Path, device: torch.device):
+    """Step 2: backbone + one-output head (LoRA with the head fully trained when ``lora.r`` > 0), its
+    tokenizer, the text format and the pooling. Returns ``(model, tokenizer, text_format, pooling)``."""
+    from tether.hf import disable_dropout, ensure_pad_token
+    from tether.rm.model import add_lora, check_pooling, choose_format, load_sequence_classifier, load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    lora = cfg.lora.r > 0
+    model, head_is_new = load_sequence_classifier(
+        model_path, dtype=DTYPES[cfg.dtype] if lora else torch.float32, new_head=True)
+    ensure_pad_token(tokenizer, model)
+    if lora:
+        model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    pooling = check_pooling(model, cfg.pooling)
+    if cfg.disable_dropout:
+        disable_dropout(model)
+    model.to(device)
+    max_length = clamp_max_length(cfg.data.max_length, model)
+    text_format = choose_format(tokenizer, cfg.data.format, cfg.data.separator, max_length)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"model: {model_path} ({type(model).__name__ if not lora else 'LoRA r=' + str(cfg.lora.r)}), "
+          f"{n_trainable:,} trainable parameters, head {'new (random init)' if head_is_new else 'from checkpoint'}, "
+          f"{text_format.kind} format, max_length {max_length}, {pooling} pooling, device {device}")
+    return model, tokenizer, text_format, pooling
+
+
+def encode_pairs(train: list[PreferencePair], tokenizer, text_format, data_info: dict) -> list[tuple]:
+    """Step 3: ``(Encoded chosen, Encoded rejected)`` per train pair; truncation counts go to ``data_info``."""
+    encoded = [(text_format.encode(tokenizer, p.prompt, p.chosen), text_format.encode(tokenizer, p.prompt, p.rejected))
+               for p in train]
+    texts = [e for pair in encoded for e in pair]
+    data_info["prompt_truncated"] = sum(e.prompt_truncated for e in texts)
+    data_info["reply_truncated"] = sum(e.reply_truncated for e in texts)
+    print(f"truncation: {data_info['prompt_truncated']} of {len(texts)} train texts had the prompt cut from the "
+          f"left, {data_info['reply_truncated']} the reply cut; no pair dropped")
+    return encoded
+
+
+def clamp_max_length(max_length: int, model) -> int:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < max_length:
+        print(f"note: max_length {max_length} > the model's {limit} positions; using {limit}")
+        return limit
+    return max_length
+
+
+def pair_batches(lengths: list[int], batch_size: int, generator: torch.Generator, group_by_length: bool
+                 ) -> list[list[int]]:
+    """One epoch of batches (lists of pair indices), every pair exactly once, in shuffled order.
+
+    ``group_by_length``: shuffle, cut into chunks of 50 batches, sort each chunk by ``lengths`` (the pair's
+    longer text, in tokens), cut into batches and shuffle the batches: padding shrinks to the spread
+    inside a batch while which pairs meet stays random (Hugging Face's group_by_length does the same).
+    """
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    if not group_by_length:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunk = 50 * batch_size
+    order = [i for lo in range(0, len(order), chunk)
+             for i in sorted(order[lo:lo + chunk], key=lambda j: -lengths[j])]
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def pair_loss(model, chosen: list, rejected: list, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
+              pooling: str, length_w: float | None, autocast: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """BT loss of one batch of pairs (A2; plus the length regulariser or expert when configured); chosen
+    and rejected share one forward pass. Returns ``(loss, margins (B,) detached)``."""
+    from tether.rm.model import pad_batch, pooled_scores
+
+    n = len(chosen)
+    ids, mask = pad_batch([e.ids for e in chosen + rejected], pad_id, "right")  # (2B, T)
+    with torch.autocast(**autocast):
+        scores = pooled_scores(model, ids.to(device), mask.to(device), pooling)  # (2B,)
+    s_w, s_l = scores[:n], scores[n:]
+    reply_tokens = torch.tensor([e.n_reply_tokens for e in chosen + rejected], device=device)  # (2B,)
+    expert = 0.0 if length_w is None else length_expert_logit(length_w, reply_tokens[:n], reply_tokens[n:])
+    loss = bradley_terry_loss(s_w + expert, s_l, cfg.loss.margin or None)
+    if cfg.loss.length_reg:
+        loss = loss + cfg.loss.length_reg * length_penalty(scores, reply_tokens)
+    return loss, (s_w - s_l).detach()
+
+
+def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
+               pooling: str | None = None, length_w: float | None = None) -> list[dict]:
+    """AdamW over shuffled batches of pairs, ``optim.grad_accumulation`` batches per optimiser step.
+    ``encoded``: list of ``(Encoded chosen, Encoded rejected)``; ``length_w``: the frozen length expert's
+    weight (:func:`~tether.core.length.fit_length_expert`), None = plain BT. Returns one metrics row per
+    optimiser step (``step``, ``epoch``, ``rm/loss``, ``rm/accuracy``, ``rm/grad_norm``, ``rm/lr``)."""
+    from tqdm.auto import tqdm
+
+    from tether.rm.model import pooling_of
+
+    pooling = pooling or pooling_of(model)
+    opt_cfg = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
+    steps = opt_cfg.epochs * math.ceil(math.ceil(len(encoded) / opt_cfg.batch_size) / opt_cfg.grad_accumulation)
+    warmup = int(opt_cfg.warmup_ratio * steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: (k + 1) / (warmup + 1) if k < warmup else max(0.0, (steps - k) / max(1, steps - warmup)))
+    compute = DTYPES[cfg.dtype]
+    autocast = dict(device_type=device.type, dtype=compute, enabled=compute != torch.float32)
+    scaler = torch.amp.GradScaler(device.type, enabled=compute == torch.float16)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict] = []
+    model.train()
+    bar = tqdm(total=steps, desc="train-rm", unit="step", mininterval=1.0)
+    pair_tokens = [max(len(c.ids), len(r.ids)) for c, r in encoded]
+    for epoch in range(opt_cfg.epochs):
+        batches = pair_batches(pair_tokens, opt_cfg.batch_size, generator, opt_cfg.group_by_length)
+        for first in range(0, len(batches), opt_cfg.grad_accumulation):
+            group = batches[first:first + opt_cfg.grad_accumulation]
+            n_pairs = sum(len(b) for b in group)
+            loss_sum = correct = 0.0
+            for batch in group:
+                loss, margins = pair_loss(model, [encoded[i][0] for i in batch], [encoded[i][1] for i in batch],
+                                          cfg, device, pad_id, pooling, length_w, autocast)
+                # Each batch's mean loss weighted by its share of the step's pairs: the accumulated gradient
+                # is that of the mean over all the step's pairs, however they are cut into batches.
+                scaler.scale(loss * len(batch) / n_pairs).backward()
+                loss_sum += loss.item() * len(batch)
+                correct += (margins > 0).sum().item()
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, opt_cfg.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            history.append({"step": len(history) + 1, "epoch": epoch + 1, "rm/loss": loss_sum / n_pairs,
+                            "rm/accuracy": correct / n_pairs, "rm/grad_norm": float(grad_norm), "rm/lr": lr})
+            bar.update(1)
+            bar.set_postfix(loss=f"{history[-1]['rm/loss']:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}",
+                            refresh=False)
+    bar.close()
+    return history
+
+
+def reference_sample(train: list[PreferencePair], held_out: list[PreferencePair], n_train: int, seed: int
+                     ) -> list[tuple[str, str]]:
+    """(prompt, reply) for the score scale (A5): both replies of every held-out pair and of up to
+    ``n_train`` train pairs drawn with ``seed`` — the replies the RM will judge, good and bad alike."""
+    chosen_train = random.Random(seed).sample(train, min(n_train, len(train)))
+    return [(p.prompt, reply) for p in held_out + chosen_train for reply in (p.chosen, p.rejected)]
+
+
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux reports KiB
+
+
+def save_reward_model(rm, out_dir: Path, cfg: RewardTrainingConfig, evaluation: dict, history: list[dict]) -> None:
+    """Step 7: everything into a temporary folder beside ``out_dir``, swapped in by rename
+    (:func:`~tether.checkpoint.atomic_dir`), so a crash never leaves a half-written model where a good one was."""
+
+    def write(tmp: Path) -> None:
+        rm.save_pretrained(tmp)
+        save_config(cfg, tmp / "config.yaml")
+        (tmp / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n", encoding="utf-8")
+        (tmp / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history), encoding="utf-8")
+
+    atomic_dir(out_dir, write)
