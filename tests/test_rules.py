@@ -1,5 +1,6 @@
 """The shipped math rules (SPEC B4): numbers parsed as people write them, which number is the answer, the
-format bonus only for a final single statement, truncated replies never credited. Real GSM8K and SVAMP answers are read from ../shared/data."""
+format bonus only for a final single statement, truncated replies never credited, and ``ended_with_eos``
+threaded from the rollout to every rule call. Real GSM8K and SVAMP answers are read from ../shared/data."""
 
 import json
 import re
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from tether.errors import TetherError
-from tether.rules import extract_answer, gold_integer, gold_number, math_answer, math_correct, numbers
+from tether.ppo.sources import RuleSource, call_rule, score_responses
+from tether.rules import extract_answer, gold_integer, gold_number, math_answer, math_correct
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not (DATA / "gsm8k").is_dir() or not (DATA / "svamp").is_dir(),
@@ -132,6 +134,41 @@ def test_mismatched_columns_are_one_line_errors(kwargs, message):
         math_answer(["", ""], ["18", "18"], **kwargs)
 
 
+def test_call_rule_passes_ended_with_eos_only_to_rules_that_take_it():
+    seen = {}
+
+    def with_kwargs(prompts, responses, **fields):
+        seen.update(fields)
+        return [0.0] * len(responses)
+
+    def without(prompts, responses, answer):  # an older rule: never sees the reserved keyword
+        return [float(a == r) for a, r in zip(answer, responses)]
+
+    fields = {"answer": ["18", "5"]}
+    eos = torch.tensor([True, False])
+    assert call_rule(without, ["", ""], ["18", "5"], fields, eos).tolist() == [1.0, 1.0]
+    call_rule(with_kwargs, ["", ""], ["18", "5"], fields, eos)
+    assert seen == {"answer": ["18", "5"], "ended_with_eos": [True, False]}
+    seen.clear()
+    call_rule(with_kwargs, ["", ""], ["18", "5"], fields)  # not given: not invented
+    assert seen == {"answer": ["18", "5"]}
+    scores = call_rule(math_answer, ["", ""], ["The answer is 18.", "The answer is 5."], {"answer": ["18", "5"]},
+                       eos)
+    assert scores.tolist() == pytest.approx([1.1, 0.0])
+
+
+def test_score_responses_threads_ended_with_eos_through_rule_arguments():
+    source = RuleSource("tether.rules:math_answer:format_bonus=0.5")  # the key=value wrapper passes it on
+    responses = ["The answer is 18.", "The answer is 18."]
+    scores = score_responses([source], ["", ""], responses, {"answer": ["18", "18"]}, torch.tensor([True, False]))
+    assert scores.tolist() == [1.5, 0.0]
+
+
+def test_a_prompt_column_named_ended_with_eos_is_refused():
+    with pytest.raises(TetherError, match="^prompt rows have a column 'ended_with_eos': tether reserves"):
+        call_rule(math_answer, [""], ["18"], {"answer": ["18"], "ended_with_eos": [True]}, [True])
+
+
 # --- real data --------------------------------------------------------------------------------------------
 
 SOLVERS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
@@ -164,7 +201,7 @@ def test_agrees_with_the_is_correct_flags_of_real_model_solutions():
 
 @needs_data
 def test_gsm8k_worked_solutions_earn_the_point_and_the_bonus():
-    from tether.prompts import load_prompts
+    from tether.ppo.prompts import load_prompts
 
     rows = load_prompts(str(DATA / "gsm8k" / "test.jsonl")) + load_prompts(str(DATA / "gsm8k" / "train.jsonl"))
     solutions, answers = [r["solution"] for r in rows], [r["answer"] for r in rows]
@@ -183,7 +220,7 @@ def test_gsm8k_worked_solutions_earn_the_point_and_the_bonus():
 
 @needs_data
 def test_svamp_answers_and_equations():
-    from tether.prompts import load_prompts
+    from tether.ppo.prompts import load_prompts
 
     raw = json.loads((DATA / "svamp" / "SVAMP.json").read_text(encoding="utf-8"))
     rows = load_prompts(str(DATA / "svamp" / "SVAMP.json"))
@@ -198,3 +235,45 @@ def test_svamp_answers_and_equations():
     money = [f"The answer is ${item['Answer']:,.2f}." for item in raw]  # "$1,234.00"
     assert math_correct(None, money, answers) == [1.0] * 1000
 
+
+# --- ended_with_eos from the rollout ----------------------------------------------------------------------
+
+def test_training_and_evaluation_pass_the_rollouts_eos_flags_to_rules(tmp_path, monkeypatch):
+    """ppo_step (step 5) and evaluate hand every rule the flags of the rollout they score; evaluate's
+    eval/accuracy and per-sample "correct" come from the gold rule called with them."""
+    from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+    import tether.ppo.evaluate as evaluate_module
+    import tether.ppo.step as ppo_module
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+    from tether.ppo.step import ppo_step
+
+    cfg = tiny_config(tmp_path, make_policy_dir(tmp_path), make_prompts_file(tmp_path), steps=1, eval__n=8,
+                      eval__greedy=False, data__eval_fraction=0.25, generation__max_new_tokens=4)
+    c = setup(cfg)
+    rollouts, rule_flags = [], []
+
+    original = ppo_module.rollout_batch
+
+    def recording_rollout(*args, **kwargs):
+        batch, texts = original(*args, **kwargs)
+        rollouts.append(batch.ended_with_eos.tolist())
+        return batch, texts
+
+    monkeypatch.setattr(ppo_module, "rollout_batch", recording_rollout)
+    monkeypatch.setattr(evaluate_module, "rollout_batch", recording_rollout)
+
+    def rule(prompts, responses, **fields):
+        rule_flags.append(fields["ended_with_eos"])
+        return [float(e) for e in fields["ended_with_eos"]]  # "correct" exactly when ended
+
+    c.data.sources, c.data.gold = [RuleSource("tether.rules:char_share")], rule
+    c.data.sources[0].fn = rule
+    metrics, samples = evaluate(c, cfg, 0)
+    assert rule_flags == [rollouts[0], rollouts[0]]  # the reward source, then the gold rule
+    assert [s["correct"] for s in samples] == [not s["truncated"] for s in samples] == rollouts[0]
+    assert metrics["eval/accuracy"] == pytest.approx(sum(rollouts[0]) / len(rollouts[0]))
+    ppo_step(c, cfg, 1)
+    assert rule_flags[2] == rollouts[1] and len(rule_flags) == 3
+    assert {True, False} <= set(rollouts[0] + rollouts[1])  # seeded: both kinds of reply occur

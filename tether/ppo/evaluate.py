@@ -30,8 +30,9 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
         with m.policy.reference_model(model) as reference:
             logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
         kl = (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator) * rollout.response_mask).sum(dim=1)
-        scores = score_responses(d.sources, prompts, responses, fields)
-        correct = call_rule(d.gold, prompts, responses, fields) if d.gold is not None else None
+        # Rules get the EOS flags: the math rules never credit a reply cut by max_new_tokens.
+        scores = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos)
+        correct = call_rule(d.gold, prompts, responses, fields, rollout.ended_with_eos) if d.gold is not None else None
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
             sample = {"prompt": prompt, "response": response, "score": float(scores[i]), "kl": float(kl[i]),
                       "length": int(rollout.response_mask[i].sum()), "truncated": not bool(rollout.ended_with_eos[i])}

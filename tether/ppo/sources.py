@@ -4,6 +4,9 @@ A source maps decoded text to one score per response: ``source(prompts, response
 Sources: a reward model directory (standardised scores, A5) — several of them form one ensemble
 (mean or min, A8) — and rules, any Python callable ``f(prompts, responses, **fields) -> list[float]``
 named ``module:function`` (optionally ``module:function:key=value,...`` for keyword arguments).
+Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
+reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
+rule can refuse to credit truncated replies; rules that don't name it and take no ``**fields`` never see it.
 Sources are summed. Then: length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or
 running z-score) and clipping to [−c, c].
 """
@@ -59,9 +62,27 @@ def load_rule(spec: str) -> Callable:
     return fn
 
 
-def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: dict[str, list]) -> torch.Tensor:
-    """Call a rule with the prompt rows' other columns as keyword lists (only those it accepts, unless
-    it takes ``**fields``); check it returned one finite number per response."""
+EOS_FIELD = "ended_with_eos"
+
+
+def with_eos_field(fields: dict[str, list], ended_with_eos=None) -> dict[str, list]:
+    """``fields`` plus the reserved ``ended_with_eos`` list (bools, from a (B,) tensor or a list); ``fields``
+    itself when ``ended_with_eos`` is None."""
+    if ended_with_eos is None:
+        return fields
+    if EOS_FIELD in fields:
+        raise TetherError(f"prompt rows have a column {EOS_FIELD!r}: tether reserves that name for rules "
+                          f"(whether each response ended with EOS); rename the column")
+    flags = ended_with_eos.tolist() if hasattr(ended_with_eos, "tolist") else list(ended_with_eos)
+    return {**fields, EOS_FIELD: [bool(f) for f in flags]}
+
+
+def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: dict[str, list],
+              ended_with_eos=None) -> torch.Tensor:
+    """Call a rule with the prompt rows' other columns as keyword lists, plus ``ended_with_eos`` when given
+    (only the keywords it accepts, unless it takes ``**fields``); check it returned one finite number per
+    response."""
+    fields = with_eos_field(fields, ended_with_eos)
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         fields = {k: v for k, v in fields.items() if k in params}
@@ -156,6 +177,8 @@ def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos:
     return scores
 
 
-def score_responses(sources: list, prompts: list[str], responses: list[str], fields: dict) -> torch.Tensor:
-    """Σ over sources of their (B,) scores."""
+def score_responses(sources: list, prompts: list[str], responses: list[str], fields: dict,
+                    ended_with_eos=None) -> torch.Tensor:
+    """Σ over sources of their (B,) scores; rules also get ``ended_with_eos`` when given (see call_rule)."""
+    fields = with_eos_field(fields, ended_with_eos)
     return torch.stack([source(prompts, responses, fields) for source in sources]).sum(dim=0)

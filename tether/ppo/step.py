@@ -86,7 +86,7 @@ def ppo_step(run, cfg, step: int) -> dict:
         last_values = values_all[torch.arange(len(rollout), device=p.device), lengths] \
             * (~rollout.ended_with_eos).float()
         # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5).
-        scores_raw = score_responses(d.sources, prompts, responses, fields).to(p.device)
+        scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
         scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores)
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * mask  # (B, T)
         rewards = shaped_rewards(scores, kl, o.kl_controller.value, mask)
