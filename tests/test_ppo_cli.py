@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import make_policy_dir, make_prompts_file
 
 from tether.cli import main
@@ -137,3 +138,57 @@ def test_metrics_reach_the_tensorboard_tracker(files, tmp_path):
     for key in ("objective/kl", "objective/scores", "policy/loss", "value/loss"):
         logged = {e.step: e.value for e in events.Scalars(key)}
         assert logged == pytest.approx({r["step"]: r[key] for r in rows}, rel=1e-6), key
+
+
+def _launch_two(args, timeout=600):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tether", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_two_processes_resume_equals_the_straight_run(files, tmp_path):
+    """Stopped at step 2 and resumed to 4 equals the straight 4-step run, with 2 processes: every process's
+    RNG state is saved and restored (each samples its own responses), running reward normalisation is over
+    both processes' rows."""
+    from safetensors.torch import load_file
+
+    extra = ["--save-every", "2", "--reward-normalize", "running", "--lora-r", "4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    proc = _launch_two([*base_args(files, straight), "--steps", "4", *extra])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _launch_two([*base_args(files, split), "--steps", "2", *extra])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _launch_two([*base_args(files, split), "--steps", "4", *extra, "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def rows(run):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert [r["step"] for r in rows(split)] == [1, 2, 3, 4] and rows(split) == rows(straight)
+    a = load_file(str(straight / "policy" / "model.safetensors"))
+    b = load_file(str(split / "policy" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((split / "ranks.json").read_text())["in_sync"] is True
+
+
+@pytest.mark.slow
+def test_an_alarm_seen_by_the_main_process_stops_every_process(files, tmp_path):
+    """Evaluation (and so the gold-drop band) exists on the main process only: its stop decision must reach
+    the other process, which would otherwise wait in the next step's collectives for ever."""
+    out = tmp_path / "run"
+    off = [a for band in ("ratio_std", "clip_fraction", "kl_mean", "kl_max", "value_loss", "explained_variance",
+                          "entropy", "length_collapse", "length_surge", "not_learning")
+           for a in ("--health-band", f"{band}=off")]
+    args = [*base_args(files, out), "--steps", "8", "--gold", "alarm_rules:right_once", "--eval-every", "1",
+            "--eval-n", "4", "--data-eval-fraction", "0.25", "--stop-on-alarm", "true", "--health-persistence", "1",
+            *off]
+    args[args.index("tether.rules:char_share")] = "alarm_rules:rising"
+    proc = _launch_two(args, timeout=240)  # a hang fails here (TimeoutExpired)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
+    assert len(alerts) == 1 and "eval/accuracy" in alerts[0]["alert"] and alerts[0]["step"] == 2
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -64,19 +64,25 @@ def mcnemar_exact(only_a: int, only_b: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def repetition_rate(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> float:
-    """Share of repeated n-grams within responses: 1 − distinct/total n-grams, pooled over rows.
+def repetition_counts(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> tuple[int, int]:
+    """(repeated, total) n-grams within responses, pooled over rows: ``repeated`` = Σ_rows (total − distinct).
 
-    ``tokens``, ``mask``: (B, T). Rows shorter than ``n`` contribute nothing; 0 when there are none.
-    """
+    ``tokens``, ``mask``: (B, T). Rows shorter than ``n`` contribute nothing."""
     total = repeated = 0
     for row, m in zip(tokens.tolist(), mask.tolist()):
         seq = [t for t, v in zip(row, m) if v]
         grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
         total += len(grams)
         repeated += len(grams) - len(set(grams))
+    return repeated, total
+
+
+def repetition_rate(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> float:
+    """Share of repeated n-grams within responses: 1 − distinct/total n-grams, pooled over rows
+    (:func:`repetition_counts`); 0 when there are none."""
+    repeated, total = repetition_counts(tokens, mask, n)
     return repeated / total if total else 0.0
 
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits", "explained_variance", "wilson_interval",
-           "mcnemar_exact", "repetition_rate", "masked_mean"]
+           "mcnemar_exact", "repetition_counts", "repetition_rate", "masked_mean"]

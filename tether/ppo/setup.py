@@ -65,6 +65,31 @@ class Processes:
     def global_min(self, x) -> float:
         return self._reduce(x, torch.distributed.ReduceOp.MIN if self.world_size > 1 else None)
 
+    def broadcast(self, obj):
+        """``obj`` as the main process has it, on every process: a decision (stop, roll back to which
+        checkpoint) is made once, so no process waits in a collective another one has left."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_objects(self, obj) -> list:
+        """Every process's ``obj``, in rank order, on every process."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, ...) on each process -> (world_size·B, ...) in rank order, on every process."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 

@@ -161,16 +161,19 @@ class RunningMoments:
 
 
 def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos: torch.Tensor, cfg,
-                       running: RunningMoments | None = None) -> torch.Tensor:
+                       running: RunningMoments | None = None, gather=None) -> torch.Tensor:
     """B4 on (B,) raw scores: r − α·len − p·[no EOS], then z-score (batch or running), then clip to ±c.
 
-    ``cfg`` is a ``RewardConfig``; ``lengths`` (B,) response tokens; ``ended_with_eos`` (B,) bool."""
+    ``cfg`` is a ``RewardConfig``; ``lengths`` (B,) response tokens; ``ended_with_eos`` (B,) bool.
+    ``gather`` maps this process's (B,) scores to every process's (W·B,): the batch statistics and the
+    running moments are then those of the whole batch, the same on every process."""
     scores = raw - cfg.length_penalty * lengths.float()
     scores = scores - cfg.missing_eos_penalty * (~ended_with_eos).float()
+    pool = gather(scores) if gather is not None else scores
     if cfg.normalize == "batch":
-        scores = (scores - scores.mean()) / (scores.std(unbiased=False) + 1e-8)
+        scores = (scores - pool.mean()) / (pool.std(unbiased=False) + 1e-8)
     elif cfg.normalize == "running":
-        running.update(scores)
+        running.update(pool)
         scores = (scores - running.mean) / (running.std + 1e-8)
     if cfg.clip > 0:
         scores = scores.clamp(-cfg.clip, cfg.clip)

@@ -24,7 +24,7 @@ import torch
 from tether.core.advantages import gae, masked_mean, masked_var, shaped_rewards, whiten
 from tether.core.kl import kl_penalty
 from tether.core.losses import ppo_policy_loss, ppo_value_loss
-from tether.core.stats import explained_variance, repetition_rate
+from tether.core.stats import explained_variance, repetition_counts
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
 from tether.ppo.rollout import critic_values, encode_prompts, forward_response, generate
@@ -87,7 +87,8 @@ def ppo_step(run, cfg, step: int) -> dict:
             * (~rollout.ended_with_eos).float()
         # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5).
         scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
-        scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores)
+        scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores,
+                                    gather=p.all_gather)  # statistics over all processes' rows
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * mask  # (B, T)
         rewards = shaped_rewards(scores, kl, o.kl_controller.value, mask)
         # 6. GAE (B7). Returns use the un-whitened advantages.
@@ -135,11 +136,12 @@ def value_metrics(p, values_old: torch.Tensor, returns: torch.Tensor, mask: torc
 
 def response_metrics(p, rollout: Rollout) -> dict:
     lengths = rollout.lengths.float()
+    repeated, n_grams = repetition_counts(rollout.response, rollout.response_mask, n=3)  # pooled over all rows
     return {"response/length_mean": p.global_mean(lengths.mean()),
             "response/length_min": p.global_min(lengths.min()),
             "response/length_max": p.global_max(lengths.max()),
             "response/truncated_fraction": p.global_mean((~rollout.ended_with_eos).float().mean()),
-            "response/repetition": repetition_rate(rollout.response, rollout.response_mask, n=3)}
+            "response/repetition": p.global_sum(repeated) / max(p.global_sum(n_grams), 1.0)}
 
 
 def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:

@@ -20,13 +20,34 @@ from tether.ppo.runlog import RunLog
 from tether.ppo.step import ppo_step
 
 
-def trainer_state(run, step: int) -> dict:
+def trainer_state(run, step: int, rng_per_rank: list[dict]) -> dict:
+    """Everything but the weights that the run needs to continue exactly; ``rng_per_rank``: every process's
+    RNG state in rank order (each process samples its own responses). ``rng`` (rank 0's) stays for
+    checkpoints read by older versions."""
     o, d = run.optim, run.data
     return {"step": step, "policy_optimizer": o.policy_optimizer.state_dict(),
             "critic_optimizer": o.critic_optimizer.state_dict(),
             "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": o.critic_scheduler.state_dict(),
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
-            "prompts": d.prompts.state_dict(), "rng": rng_state()}
+            "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank}
+
+
+def restore_rng(run, state: dict) -> None:
+    """This process's RNG state; a checkpoint from another number of processes (or from a version that
+    saved rank 0's only) cannot continue the others' streams exactly: say so and reseed them."""
+    p = run.processes
+    per_rank = state.get("rng_per_rank")
+    if per_rank is not None and len(per_rank) == p.world_size:
+        set_rng_state(per_rank[p.rank])
+        return
+    set_rng_state(state["rng"])
+    if p.world_size > 1:
+        if p.rank > 0:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())) + p.rank)
+        if p.is_main:
+            saved = len(per_rank) if per_rank is not None else 1
+            print(f"note: the checkpoint holds RNG states of {saved} process(es), this run has {p.world_size}: "
+                  f"processes other than 0 continue from new streams (not bitwise the uninterrupted run)")
 
 
 def restore(run, run_dir: Path) -> int:
@@ -43,7 +64,7 @@ def restore(run, run_dir: Path) -> int:
     o.kl_controller.load_state_dict(state["kl_controller"])
     d.running_scores.load_state_dict(state["running_scores"])
     d.prompts.load_state_dict(state["prompts"])
-    set_rng_state(state["rng"])
+    restore_rng(run, state)
     return int(state["step"])
 
 
@@ -73,11 +94,13 @@ def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
 
 
 def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
-    """Save checkpoint ``step`` from the main process; every process waits for it."""
+    """Save checkpoint ``step`` (weights and trainer state from the main process, every process's RNG
+    state); every process waits for it. Returns its path on the main process."""
+    rng_per_rank = run.processes.gather_objects(rng_state())
     saved = None
     if run.processes.is_main:
         saved = save_checkpoint(run_dir, step, run.models.unwrapped_policy, run.models.unwrapped_critic,
-                                trainer_state(run, step), cfg.keep_checkpoints)
+                                trainer_state(run, step, rng_per_rank), cfg.keep_checkpoints)
     run.processes.wait()
     return saved
 
@@ -120,7 +143,8 @@ def train(cfg, resume: bool = False) -> Path:
             saved = checkpoint(run, cfg, run_dir, step)
             if saved is not None and monitor.healthy:
                 healthy_checkpoints.append((step, saved))
-        if alerts and (cfg.health.stop_on_alarm or cfg.health.rollback):
+        # The main process decides (only it has the evaluation metrics the gold band reads), every process follows.
+        if run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback)):
             stopped_by_alarm = True
             log.print(f"[health] stopping at step {step} (health alarm)")
             break
@@ -137,15 +161,20 @@ def train(cfg, resume: bool = False) -> Path:
 
 
 def rollback(run, log: RunLog, monitor, healthy_checkpoints: list[tuple[int, Path]]) -> None:
-    """Restore the newest checkpoint saved before the first alarm's onset (a checkpoint saved between
-    onset and alarm counts as healthy, but its metric was already drifting)."""
-    onset = min(alert.onset_step for alert in monitor.alerts())
-    candidates = [path for step, path in healthy_checkpoints if step < onset and path.is_dir()]
-    if not candidates:
-        log.print(f"[health] no checkpoint saved before step {onset}: nothing to roll back to")
-        return
-    load_checkpoint(candidates[-1], run.models.unwrapped_policy, run.models.unwrapped_critic)
-    log.print(f"[health] rolled back to {candidates[-1].name}; policy/ holds its weights")
+    """Restore, on every process, the newest checkpoint saved before the first alarm's onset (a checkpoint
+    saved between onset and alarm counts as healthy, but its metric was already drifting). The main process
+    chooses it: it alone saw the evaluation metrics."""
+    target = None
+    if run.processes.is_main:
+        onset = min(alert.onset_step for alert in monitor.alerts())
+        candidates = [path for step, path in healthy_checkpoints if step < onset and path.is_dir()]
+        target = str(candidates[-1]) if candidates else None
+        if target is None:
+            log.print(f"[health] no checkpoint saved before step {onset}: nothing to roll back to")
+    target = run.processes.broadcast(target)
+    if target is not None:
+        load_checkpoint(Path(target), run.models.unwrapped_policy, run.models.unwrapped_critic)
+        log.print(f"[health] rolled back to {Path(target).name}; policy/ holds its weights")
 
 
 def check_ranks_in_sync(run, log: RunLog, run_dir: Path) -> bool:
