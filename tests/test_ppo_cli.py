@@ -192,3 +192,18 @@ def test_an_alarm_seen_by_the_main_process_stops_every_process(files, tmp_path):
     alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
     assert len(alerts) == 1 and "eval/accuracy" in alerts[0]["alert"] and alerts[0]["step"] == 2
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_dry_run_prints_the_plan_and_the_checklist_and_trains_nothing(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(base_args(files, out) + ["--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "peak:" in printed and "FITS" in printed and "launch checklist" in printed
+    assert not out.exists()  # nothing written, nothing trained
+    line = next(x for x in printed.splitlines() if "KL controller" in x)
+    assert line.lstrip().startswith("--") and "recommended: adaptive" in line  # fixed beta: flagged
+    assert main(base_args(files, out) + ["--dry-run", "--kl-controller", "adaptive", "--eval-every", "5",
+                                         "--data-eval-fraction", "0.25"]) == 0
+    printed = capsys.readouterr().out
+    for item in ("KL controller", "held-out evaluation"):
+        assert next(x for x in printed.splitlines() if item in x).lstrip().startswith("ok"), item

@@ -1,0 +1,110 @@
+"""``tether ppo ... --dry-run``: what ``tether plan`` says about *this* run, and the reference's launch
+checklist (000 §D.7) walked item by item for this config — then exit without loading a model or training.
+
+The plan is the planner's (docs/plan.md) for the policy's own ``config.json``, this run's dtype, LoRA rank,
+critic, batch per process, prompt + response length and number of processes; its simplifications are
+printed with it (the critic and reward model are counted at the policy's size; a rule reward has no model).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tether.diagnostics.plan import PlanConfig, format_plan, levers, plan
+from tether.diagnostics.shapes import config_shape
+from tether.presets import resolve_model_path
+
+
+@dataclass
+class CheckItem:
+    """One line of the launch checklist: what this run does, what the reference recommends."""
+
+    name: str
+    setting: str          # this run's value, as the user would set it
+    recommended: str      # the reference's recommendation
+    ok: bool
+    stars: str            # the reference's importance
+
+
+def launch_checklist(cfg) -> list[CheckItem]:
+    """000 §D.7, in its order, for the run config ``cfg`` (a :class:`~tether.ppo.config.RunConfig`)."""
+    k, p, r = cfg.kl, cfg.ppo, cfg.reward
+    save = f"every {cfg.save_every} steps" if cfg.save_every else "only at the end"
+    length = f"alpha = {r.length_penalty:g} per token" if r.length_penalty else "off"
+    norm = f"clip [-{r.clip:g}, {r.clip:g}]" if r.clip else "no clip"
+    norm += f", normalize {r.normalize}"
+    return [
+        CheckItem("KL controller", f"{k.controller}, beta {k.coef:g}, target {k.target:g}",
+                  "adaptive, target_kl 0.01", k.controller != "fixed", "***"),
+        CheckItem("advantage normalisation", "per-batch z-score" if p.whiten_advantages else "off",
+                  "per-batch z-score", p.whiten_advantages, "***"),
+        CheckItem("value clipping", f"eps_v {p.clip_range_value:g}" if p.clip_range_value else "off",
+                  "eps_v 0.2", p.clip_range_value > 0, "***"),
+        CheckItem("early stop by KL", f"{p.early_stop_factor:g} x target, every epoch" if p.early_stop else "off",
+                  "checked every epoch", p.early_stop, "***"),
+        CheckItem("held-out evaluation", f"every {cfg.eval.every} steps" if cfg.eval.every else "off",
+                  "every N steps", cfg.eval.every > 0 and bool(cfg.data.eval_prompts or cfg.data.eval_fraction), "***"),
+        CheckItem("old log-probs recomputed train-side", "always (B2)", "recomputed by the trainer", True, "***"),
+        CheckItem("critic warm-up", f"{cfg.critic.warmup_steps} steps" if cfg.critic.warmup_steps else "off",
+                  "a few critic-only steps first", cfg.critic.warmup_steps > 0, "**"),
+        CheckItem("reward clip / normalisation", norm, "r in [-5, 5]", 0 < r.clip <= 5 or r.normalize != "none",
+                  "**"),
+        CheckItem("gradient clipping", f"max norm {cfg.optim.max_grad_norm:g}" if cfg.optim.max_grad_norm else "off",
+                  "grad norm <= 1.0", 0 < cfg.optim.max_grad_norm <= 1.0, "**"),
+        CheckItem("length penalty", length, "alpha * len (when the reward favours length)",
+                  r.length_penalty > 0, "**"),
+        CheckItem("frequent checkpoints", save, "every 50 steps",
+                  0 < cfg.save_every <= 50 or cfg.steps <= 50, "**"),
+    ]
+
+
+def format_checklist(items: list[CheckItem]) -> str:
+    width = max(len(i.name) for i in items)
+    set_width = max(len(i.setting) for i in items)
+    lines = ["launch checklist (reference 000 §D.7):"]
+    for i in items:
+        mark = "ok " if i.ok else "-- "
+        advice = "" if i.ok else f"   recommended: {i.recommended}"
+        lines.append(f"  {mark}{i.stars:<4}{i.name:<{width}}  {i.setting:<{set_width}}{advice}")
+    return "\n".join(lines)
+
+
+def run_plan_config(cfg, gpu_memory_gb: float) -> PlanConfig:
+    """The planner's inputs for this run: one process = one device, ``WORLD_SIZE`` processes, DDP (ZeRO-0)."""
+    return PlanConfig(model=str(resolve_model_path(cfg.model.policy, what="policy")), dtype=cfg.model.dtype,
+                      batch_size=cfg.batch_size, prompt_length=cfg.data.max_prompt_length,
+                      response_length=cfg.generation.max_new_tokens, lora_r=cfg.model.lora_r, critic_lora_r=0,
+                      lora_targets="all" if cfg.model.lora_target_modules == "all-linear" else "attn",
+                      zero=0, gpus=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory=gpu_memory_gb,
+                      gradient_checkpointing=cfg.model.gradient_checkpointing,
+                      critic="head" if cfg.critic.kind == "head" else "separate", value_head=cfg.critic.head)
+
+
+def device_memory_gb() -> tuple[float, str]:
+    """Memory of the device one process trains on: the GPU's, else this machine's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / 1e9, f"GPU {props.name}"
+    import psutil
+
+    return psutil.virtual_memory().total / 1e9, "CPU RAM"
+
+
+def dry_run(cfg) -> str:
+    """The text ``--dry-run`` prints."""
+    gb, device = device_memory_gb()
+    plan_cfg = run_plan_config(cfg, gb)
+    shape = config_shape(plan_cfg.model)
+    result = plan(shape, plan_cfg)
+    has_rm = any(os.path.isdir(os.path.expanduser(s)) for s in cfg.reward.sources)
+    notes = [f"dry run of `tether ppo` for {cfg.model.policy} on {device} ({gb:.1f} GB); nothing loaded or trained",
+             "plan (the planner's model: critic and reward model counted at the policy's size"
+             + ("" if has_rm else "; this run's rewards are rules, so the RM row is memory it will not use") + "):"]
+    levers_note = ("(levers are `tether plan` flags; in `tether ppo` today: --lora-r, --critic head, --batch-size, "
+                   "--model-gradient-checkpointing; ZeRO and offload are not there yet)")
+    checklist = format_checklist(launch_checklist(cfg))
+    return "\n".join(notes) + "\n" + format_plan(shape, plan_cfg, result, levers(shape, plan_cfg, result["peak"])) \
+        + "\n" + levers_note + "\n\n" + checklist
