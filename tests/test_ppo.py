@@ -137,6 +137,22 @@ def test_every_trainable_parameter_changes_and_no_frozen_one(files, tmp_path, lo
         assert torch.equal(p, ref_before[name]), f"reference {name} changed"
 
 
+def test_lora_critic_trains_only_its_adapter_and_head(files, tmp_path):
+    """--critic separate --critic-lora-r 4: the critic's backbone is frozen under an adapter; after a step
+    the value head and the adapters' B matrices moved (A gets no gradient while B is still 0), nothing else."""
+    cfg = tiny_config(tmp_path, *files, critic__kind="separate", critic__lora_r=4, critic__model=str(files[0]))
+    c = setup(cfg)
+    critic = c.models.unwrapped_critic
+    before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("head.") for n in trainable)
+    assert all(p.dtype == torch.float32 for p in critic.parameters() if p.requires_grad)
+    ppo_step(c, cfg, 1)
+    changed = {n for n, p in critic.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed <= trainable
+    assert {n for n in trainable if n.startswith("head.") or "lora_B" in n} <= changed
+
+
 def test_critic_warmup_updates_only_the_critic(files, tmp_path):
     cfg = tiny_config(tmp_path, *files, critic__warmup_steps=1)
     c = setup(cfg)

@@ -82,6 +82,7 @@ def run_cli(args):
     ({"--steps": "0"}, "--steps: must be >= 1"),
     ({"--no-such-flag": "1"}, "unrecognized arguments: --no-such-flag"),
     ({"--log-with": "nosuch"}, "--log-with: 'nosuch' is not a tracker accelerate knows"),
+    ({"--critic-lora-r": "4"}, "--critic-lora-r: needs --critic separate"),
 ])
 def test_bad_input_one_line_exit_2(files, tmp_path, change, expected):
     (tmp_path / "empty.jsonl").write_text("")

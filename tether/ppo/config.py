@@ -119,6 +119,8 @@ class CriticConfig:
     model: str = option("", "backbone of a separate critic (default: the first reward model if it shares "
                         "the policy's tokenizer, else the policy)", flag="--critic-model")
     head: str = option("mlp", "value head architecture", choices=("linear", "mlp"))
+    lora_r: int = option(0, "LoRA rank of a separate critic's backbone (frozen, in model.dtype; adapter and head "
+                         "train); 0 = the whole critic trains", low=0, flag="--critic-lora-r")
     warmup_steps: int = option(0, "first K steps update the critic only (B6)", low=0,
                                flag="--critic-warmup-steps")
 
@@ -185,6 +187,8 @@ class RunConfig:
             raise ConfigError("--reward: at least one reward source is required")
         if "{prompt}" not in self.data.prompt_template:
             raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
+        if self.critic.lora_r and self.critic.kind != "separate":
+            raise ConfigError("--critic-lora-r: needs --critic separate (a value head has no backbone of its own)")
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")

@@ -44,13 +44,14 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: boo
     return model
 
 
-def apply_lora(model, r: int, alpha: int, dropout: float, target: str):
-    """Wrap ``model`` with a peft LoRA adapter; adapter weights in fp32."""
+def apply_lora(model, r: int, alpha: int, dropout: float, target: str, task_type: str | None = "CAUSAL_LM"):
+    """Wrap ``model`` with a peft LoRA adapter; adapter weights in fp32. ``task_type`` None for a bare
+    backbone (a critic's ``AutoModel``)."""
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        task_type="CAUSAL_LM")
+                        task_type=task_type)
     model = get_peft_model(model, config)
     for p in model.parameters():
         if p.requires_grad:
@@ -143,8 +144,11 @@ def same_vocabulary(tokenizer_a, tokenizer_b) -> bool:
 
 
 def load_critic(cfg_critic, policy: Policy, tokenizer, default_backbone: Path | None,
-                trust_remote_code: bool = False) -> nn.Module:
-    """The critic: a :class:`ValueHead` (kind ``head``) or a :class:`SeparateCritic` (kind ``separate``)."""
+                cfg_model=None) -> nn.Module:
+    """The critic: a :class:`ValueHead` (kind ``head``) or a :class:`SeparateCritic` (kind ``separate``).
+    With ``critic.lora_r`` > 0 the separate critic's backbone is frozen (in ``model.dtype``) under a LoRA
+    adapter (the policy's alpha, dropout and target modules); adapter and value head train in fp32."""
+    trust_remote_code = bool(cfg_model and cfg_model.trust_remote_code)
     hidden = policy.model.config.get_text_config().hidden_size
     if cfg_critic.kind == "head":
         return ValueHead(hidden, cfg_critic.head)
@@ -159,7 +163,14 @@ def load_critic(cfg_critic, policy: Policy, tokenizer, default_backbone: Path | 
         raise TetherError(f"--critic-model {source}: its tokenizer differs from the policy's; a separate "
                           f"critic reads the policy's tokens, so it must share the policy's tokenizer "
                           f"(use --critic head, or a critic built on the policy's tokenizer)")
+    lora_r = cfg_critic.lora_r
+    dtype = DTYPES[cfg_model.dtype] if lora_r and cfg_model is not None else torch.float32
     with quiet_transformers():  # a reward-model directory has a score head AutoModel leaves out: expected
-        backbone = AutoModel.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code)
+        backbone = AutoModel.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
     disable_dropout(backbone)
-    return SeparateCritic(backbone, ValueHead(backbone.config.get_text_config().hidden_size, cfg_critic.head))
+    hidden_size = backbone.config.get_text_config().hidden_size
+    if lora_r:
+        m = cfg_model
+        backbone = apply_lora(backbone, lora_r, m.lora_alpha if m else 16, m.lora_dropout if m else 0.0,
+                              m.lora_target_modules if m else "all-linear", task_type=None)
+    return SeparateCritic(backbone, ValueHead(hidden_size, cfg_critic.head))

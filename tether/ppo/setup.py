@@ -256,7 +256,7 @@ def setup(cfg) -> Run:
     policy, tokenizer, policy_path = load_policy(cfg.model)
     sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device)
     critic = load_critic(cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path),
-                         cfg.model.trust_remote_code)
+                         cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
     optim = make_optimisation(cfg, policy, critic)
 
