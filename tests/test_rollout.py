@@ -113,3 +113,52 @@ def test_sampler_distribution_is_the_one_scored(files, temperature):
 def test_truncated_sampling_is_refused(files, tmp_path, override, flag):
     with pytest.raises(ConfigError, match=flag):
         tiny_config(tmp_path, *files, **override)
+
+
+def test_phase_timer_charges_a_split_block_to_its_parts(monkeypatch):
+    import tether.ppo.step as step_module
+
+    clock = [0.0]
+    monkeypatch.setattr(step_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    timer = step_module.PhaseTimer()
+    with timer("generate"):
+        clock[0] += 1.0
+    with timer("score"):
+        clock[0] += 2.0
+        timer.split("a")
+        clock[0] += 4.0
+        timer.split("b")
+        clock[0] += 0.5  # after the last split: still b's
+    assert timer.seconds == {"generate": 1.0, "a": 2.0, "b": 4.5}
+
+
+def test_step_reports_each_phase(files, tmp_path, monkeypatch):
+    """A fake clock that only moves inside each phase's work (by 1, 2, 4, 8, 16, 32 s) shows that each
+    perf/seconds_* key holds exactly its own phase, that seconds_score is the sum of the four scoring parts,
+    and that weight sync is 0.0 with the transformers engine (it samples from the trained weights)."""
+    import tether.ppo.step as step_module
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files)
+    run = setup(cfg)
+    clock = [0.0]
+    monkeypatch.setattr(step_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    def ticking(fn, *seconds):
+        calls = []
+
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            clock[0] += seconds[len(calls)] if len(calls) < len(seconds) else 0.0  # later calls: the train phase
+            calls.append(1)
+            return out
+        return wrapped
+
+    for name, seconds in [("rollout_batch", (1.0,)), ("forward_response", (2.0, 4.0)), ("critic_values", (8.0,)),
+                          ("score_responses", (16.0,)), ("ppo_epochs", (32.0,))]:
+        monkeypatch.setattr(step_module, name, ticking(getattr(step_module, name), *seconds))
+    metrics = step_module.ppo_step(run, cfg, 1)
+    expected = {"generate": 1.0, "weight_sync": 0.0, "logprobs_old": 2.0, "reference": 4.0, "values": 8.0,
+                "reward": 16.0, "score": 30.0, "train": 32.0, "step": 63.0}
+    assert {k: metrics[f"perf/seconds_{k}"] for k in expected} == expected
+    assert metrics["perf/rollout_share"] == 1.0 / 63.0
