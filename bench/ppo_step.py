@@ -102,7 +102,8 @@ def main() -> int:
         rows = [ppo_step(c, cfg, step) for step in range(1, a.steps + 1)]
     measured = rows[1:] or rows
     med = {k: statistics.median(r[k] for r in measured) for k in (
-        "perf/seconds_generate", "perf/seconds_score", "perf/seconds_train", "perf/seconds_step",
+        "perf/seconds_generate", "perf/seconds_weight_sync", "perf/seconds_logprobs_old", "perf/seconds_reference",
+        "perf/seconds_values", "perf/seconds_reward", "perf/seconds_score", "perf/seconds_train", "perf/seconds_step",
         "perf/tokens_per_second", "perf/rollout_share")}
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"tether PPO step: {a.size} GPT-2 ({n_params / 1e6:.2f}M params per model), critic={a.critic}, "

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tether.cli import main
-from tether.diagnostics.doctor import diagnose, load_metrics
+from tether.diagnostics.doctor import diagnose, format_diagnosis, load_metrics, phase_seconds
 from tether.diagnostics.health import HealthConfig
 
 N = 60
@@ -302,3 +302,26 @@ def test_load_metrics_rejects_non_objects_and_empty(tmp_path, bad):
     from tether.errors import TetherError
     with pytest.raises(TetherError, match="metrics.jsonl"):
         load_metrics(run)
+
+
+SPLIT_TIMES = {"perf/seconds_generate": 1.0, "perf/seconds_weight_sync": 0.0, "perf/seconds_logprobs_old": 0.25,
+               "perf/seconds_reference": 0.25, "perf/seconds_values": 0.125, "perf/seconds_reward": 0.375,
+               "perf/seconds_score": 1.0, "perf/seconds_train": 2.0, "perf/seconds_step": 4.0}
+
+
+def test_doctor_says_where_the_time_goes():
+    """Phases in step order with their mean seconds; scoring split into its parts, whose sum (seconds_score)
+    is not counted twice; runs from before the split show one 'score' phase."""
+    rows = [{**r, **SPLIT_TIMES} for r in healthy_rows()]
+    rows[0]["perf/seconds_train"] = 4.0  # means, not the last value: (4 + 2·(n−1)) / n
+    d = diagnose(rows)
+    n = len(rows)
+    assert list(d.phases) == ["generate", "weight sync", "old log-probs", "reference", "values", "reward", "train"]
+    assert d.phases["reference"] == 0.25 and d.phases["weight sync"] == 0.0
+    assert d.phases["train"] == pytest.approx((4.0 + 2.0 * (n - 1)) / n)
+    line = format_diagnosis(d).splitlines()[-1]
+    assert line.startswith("time per step: ") and "old log-probs 0.25 s" in line and "weight sync 0 s (0%)" in line
+    old = phase_seconds(healthy_rows())
+    assert old == pytest.approx({"generate": 1.0, "score": 0.3, "train": 1.5})
+    assert list(old) == ["generate", "score", "train"]
+    assert phase_seconds([{"step": 1}]) == {}

@@ -84,6 +84,25 @@ def test_report_content(report):
     assert "Rollout share of a step: <b>28%</b>" in page
 
 
+def test_phase_table_splits_scoring(tmp_path):
+    """A run with the split scoring phase: one row per phase in step order, no 'score' row counted on top,
+    no 'other' row when the phases add up to the step; a run from before the split keeps its 'score' row."""
+    from tether.diagnostics.report import _phase_html, load_run
+
+    split = make_run(tmp_path, "split", 0.05, n=3)
+    times = {"perf/seconds_generate": 0.5, "perf/seconds_weight_sync": 0.0, "perf/seconds_logprobs_old": 0.05,
+             "perf/seconds_reference": 0.05, "perf/seconds_values": 0.025, "perf/seconds_reward": 0.075,
+             "perf/seconds_score": 0.2, "perf/seconds_train": 1.0, "perf/seconds_step": 1.7, "perf/rollout_share": 0.5 / 1.7}
+    rows = [{**json.loads(line), **times} for line in (split / "metrics.jsonl").read_text().splitlines()]
+    (split / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = _phase_html(load_run(split))
+    names = re.findall(r"</span>([^<]+)</td>", page)
+    assert names == ["generate", "weight sync", "old log-probs", "reference", "values", "reward", "train"]
+    assert "<td>0.05</td><td>3%</td>" in page  # old log-probs: 0.05 of 1.7 s
+    old = _phase_html(load_run(make_run(tmp_path, "old", 0.05, n=3)))
+    assert re.findall(r"</span>([^<]+)</td>", old) == ["generate", "score", "train", "other"]
+
+
 def test_report_cli_output_and_errors(tmp_path, capsys, monkeypatch):
     run = make_run(tmp_path, "one", 0.1, n=5)
     assert main(["report", str(run), "-o", str(tmp_path / "x" / "r.html"), "--title", "T<1>"]) == 0

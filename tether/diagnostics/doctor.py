@@ -4,7 +4,8 @@ The cause is the first metric, in time, to leave its healthy band on the way to 
 alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6). The rules are
 :mod:`tether.diagnostics.health`'s, replayed over ``metrics.jsonl`` by the same :class:`~tether.diagnostics.health.HealthMonitor`
 that raises live alerts. Prescriptions come from reference §D (D.2–D.5), in priority order, each with the
-config key to change and, when the run's ``config.yaml`` has it, the current value and a suggestion.
+config key to change and, when the run's ``config.yaml`` has it, the current value and a suggestion. It also
+says where a step's time went (C2): mean seconds per phase and the rollout share.
 
 Exit code: 0 healthy, 1 unhealthy, 2 unreadable input.
 """
@@ -34,6 +35,13 @@ from tether.diagnostics.health import (
     HealthMonitor,
 )
 from tether.errors import TetherError
+
+# (phase, metric key) in step order (C2); "score" is the sum of old log-probs … reward, for runs made
+# before the scoring phase was split.
+PHASES = [("generate", "perf/seconds_generate"), ("weight sync", "perf/seconds_weight_sync"),
+          ("old log-probs", "perf/seconds_logprobs_old"), ("reference", "perf/seconds_reference"),
+          ("values", "perf/seconds_values"), ("reward", "perf/seconds_reward"), ("train", "perf/seconds_train")]
+SCORE_SPLIT = ("perf/seconds_logprobs_old", "perf/seconds_reference", "perf/seconds_values", "perf/seconds_reward")
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -130,6 +138,7 @@ class Diagnosis:
     prescriptions: list[dict] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)  # bands whose metric never appears
     n_steps: int = 0
+    phases: dict = field(default_factory=dict)  # phase -> mean seconds per step (C2), see phase_seconds
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -249,15 +258,16 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     unchecked = [b.name for b in monitor.bands if b.key not in present]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
+    phases = phase_seconds(rows)
     if not failures:
-        return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows))
+        return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows), phases=phases)
     cause, rest = failures[0], failures[1:]
     return Diagnosis(
         healthy=False, failure_mode=cause.failure_mode, cause_metric=cause.band.key, cause_band=cause.band.name,
         first_step=cause.onset_step, alarm_step=cause.alarm_step,
         evidence=_evidence(cause, monitor, rest),
         prescriptions=_prescribe(cause.failure_mode, run_config or {}),
-        unchecked=unchecked, n_steps=len(rows))
+        unchecked=unchecked, n_steps=len(rows), phases=phases)
 
 
 def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Diagnosis:
@@ -269,6 +279,30 @@ def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Dia
 
 def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def phase_seconds(rows: list[dict]) -> dict:
+    """Mean seconds per step of each phase in :data:`PHASES` that the rows carry, in step order; runs from
+    before the split of scoring give one "score" phase instead of its parts. Empty without timings."""
+    def mean(key):
+        xs = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        return sum(xs) / len(xs) if xs else None
+
+    split = any(mean(key) is not None for key in SCORE_SPLIT)
+    phases = [(n, k) for n, k in PHASES if split or k not in SCORE_SPLIT]
+    if not split:
+        phases.insert(2, ("score", "perf/seconds_score"))
+    return {name: m for name, key in phases if (m := mean(key)) is not None}
+
+
+def format_phases(phases: dict) -> str:
+    """One line: mean seconds per phase, each one's share of the step, and the rollout share (C2)."""
+    total = sum(phases.values())
+    if not total:
+        return ""
+    parts = ", ".join(f"{name} {s:.3g} s ({100 * s / total:.0f}%)" for name, s in phases.items())
+    share = 100 * phases.get("generate", 0.0) / total
+    return f"time per step: {total:.3g} s = {parts}; rollout share {share:.0f}% (healthy <= 40% with a fast engine)"
 
 
 def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
@@ -300,6 +334,8 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
             lines.append(f"  {p['priority']}. {p['action']}{key}")
     if d.unchecked:
         lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")
+    if d.phases and sum(d.phases.values()):
+        lines.append(format_phases(d.phases))
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tether.diagnostics.doctor import (
+    PHASES,  # noqa: F401  the phase table's rows, shared with the doctor; kept importable from here
     Diagnosis,
     config_value,
     diagnose,
@@ -28,6 +29,7 @@ from tether.diagnostics.doctor import (
     health_config_from_run,
     load_metrics,
     load_run_config,
+    phase_seconds,
 )
 from tether.diagnostics.health import HealthConfig, resolve_bands
 from tether.errors import TetherError
@@ -48,7 +50,8 @@ PANELS = [
     ("Reward model: training loss (−log σ(r_w − r_l))", [("rm/loss", "-")], None, False),
     ("Reward model: batch accuracy (r_w > r_l)", [("rm/accuracy", "-")], None, False),
 ]
-PHASES = [("generate", "perf/seconds_generate"), ("score", "perf/seconds_score"), ("train", "perf/seconds_train")]
+PHASE_COLORS = {"generate": "#1f77b4", "weight sync": "#17becf", "score": "#ff7f0e", "old log-probs": "#ff7f0e",
+                "reference": "#e377c2", "values": "#8c564b", "reward": "#bcbd22", "train": "#2ca02c", "other": "#999"}
 SUMMARY_KEYS = ["kl.coef", "kl.controller", "kl.target", "optim.lr", "optim.critic_lr", "ppo.epochs",
                 "ppo.clip_range"]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -190,22 +193,22 @@ def _fmt(x) -> str:
 
 
 def _phase_html(run: Run) -> str:
-    """Mean seconds per phase as a table and a stacked bar; the rollout share (C2: healthy ≤ 40%)."""
-    means = [(name, _mean(run.rows, key)) for name, key in PHASES]
+    """Mean seconds per phase (:data:`PHASES`) as a table and a stacked bar; the rollout share (C2: healthy
+    ≤ 40% with a fast engine). Runs from before the scoring split show one "score" row."""
+    means = list(phase_seconds(run.rows).items())
     step = _mean(run.rows, "perf/seconds_step")
-    known = sum(m for _, m in means if m is not None)
-    if step is not None and step > known:
+    known = sum(m for _, m in means)
+    if step is not None and step > known * (1 + 1e-9):
         means.append(("other", step - known))
     total = step or known
     share = _mean(run.rows, "perf/rollout_share")
-    if share is None and total and means[0][1] is not None:
-        share = means[0][1] / total
+    if share is None and total:
+        share = dict(means).get("generate", 0.0) / total
     if not total:
         return "<p>No timing metrics (perf/…) in this run.</p>"
-    colors = {"generate": "#1f77b4", "score": "#ff7f0e", "train": "#2ca02c", "other": "#999"}
-    bar = "".join(f'<div style="width:{100 * m / total:.1f}%;background:{colors[n]}" title="{n}"></div>'
+    bar = "".join(f'<div style="width:{100 * m / total:.1f}%;background:{PHASE_COLORS[n]}" title="{n}"></div>'
                   for n, m in means if m)
-    cells = "".join(f"<tr><td><span class=chip style='background:{colors[n]}'></span>{n}</td>"
+    cells = "".join(f"<tr><td><span class=chip style='background:{PHASE_COLORS[n]}'></span>{n}</td>"
                     f"<td>{_fmt(m)}</td><td>{100 * (m or 0) / total:.0f}%</td></tr>" for n, m in means)
     verdict = "" if share is None else (
         f"<p>Rollout share of a step: <b>{100 * share:.0f}%</b> "

@@ -53,8 +53,10 @@ class GenerationConfig:
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature everywhere",
                                 low=0.0, low_open=True, flag="--temperature")
-    top_p: float = option(1.0, "nucleus sampling", low=0.0, low_open=True, high=1.0, flag="--top-p")
-    top_k: int = option(0, "top-k sampling; 0 = off", low=0, flag="--top-k")
+    top_p: float = option(1.0, "nucleus sampling: refused below 1.0, PPO scores the untruncated distribution "
+                          "(docs/sampling.md)", low=0.0, low_open=True, high=1.0, flag="--top-p")
+    top_k: int = option(0, "top-k sampling: refused above 0 (off), PPO scores the untruncated distribution "
+                        "(docs/sampling.md)", low=0, flag="--top-k")
     min_new_tokens: int = option(0, "EOS is not sampled before this many tokens (benchmarks use it to fix the "
                                  "response length)", low=0)
 
@@ -189,6 +191,13 @@ class RunConfig:
             raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
         if self.critic.lora_r and self.critic.kind != "separate":
             raise ConfigError("--critic-lora-r: needs --critic separate (a value head has no backbone of its own)")
+        # Truncated sampling is refused, not scored as truncated: see docs/sampling.md for why.
+        if self.generation.top_p < 1.0:
+            raise ConfigError(f"--top-p: {self.generation.top_p} refused; PPO's log-probs, ratio and KL are of the "
+                              "untruncated softmax(logits / T), so samples must be too (docs/sampling.md)")
+        if self.generation.top_k > 0:
+            raise ConfigError(f"--top-k: {self.generation.top_k} refused; PPO's log-probs, ratio and KL are of the "
+                              "untruncated softmax(logits / T), so samples must be too (docs/sampling.md)")
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")

@@ -11,6 +11,7 @@ state after the last token, used for the truncation bootstrap, is the hidden sta
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 
@@ -80,30 +81,68 @@ def response_mask_after_eos(response: torch.Tensor, eos: list[int]) -> tuple[tor
     return (eos_before == 0).long(), ended
 
 
-@torch.no_grad()
-def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
-             min_new_tokens: int = 0) -> Rollout:
-    """Sample responses with ``model.generate`` (KV cache; stops as soon as every row has hit EOS)."""
+# Every logits processor ``generate`` builds from a non-None field, at its neutral value. A field left None is
+# filled from ``model.generation_config`` (transformers 5.24 ``_prepare_generation_config``: the passed config's
+# None fields take the model's values, then the global defaults, whose top_k is 50), so the neutral values are
+# set here and the fields whose only neutral value is None (min_p, top_h, bad_words_ids, suppress_tokens,
+# begin_suppress_tokens, sequence_bias, forced_bos/eos_token_id, exponential_decay_length_penalty,
+# watermarking_config, guidance_scale, stop_strings, max_time, prompt_lookup_num_tokens, …) are kept None by
+# :func:`checkpoint_defaults_off`.
+NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                    "encoder_no_repeat_ngram_size": 0, "renormalize_logits": False, "remove_invalid_values": False,
+                    "num_beams": 1, "num_return_sequences": 1, "min_length": 0, "length_penalty": 1.0}
+
+
+def sampling_config(tokenizer, model, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
+                    min_new_tokens: int = 0):
+    """The ``GenerationConfig`` of a rollout: plain softmax(logits / temperature) sampling (or greedy), the
+    distribution :func:`forward_response` scores (B1), with every processor-relevant field set."""
     from transformers import GenerationConfig
 
-    eos = eos_ids(tokenizer, model)
-    config = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                              eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                              **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}))
+    return GenerationConfig(**NEUTRAL_SAMPLING, do_sample=not greedy, temperature=1.0 if greedy else temperature,
+                            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                            eos_token_id=eos_ids(tokenizer, model), pad_token_id=tokenizer.pad_token_id,
+                            use_cache=True)
+
+
+@contextmanager
+def checkpoint_defaults_off(model):
+    """While inside, the model's own ``generation_config`` (from the checkpoint's generation_config.json) is a
+    blank one, so ``generate`` inherits nothing from it: a passed config's None fields would otherwise take
+    the checkpoint's repetition_penalty, min_p, suppress_tokens, … (see :data:`NEUTRAL_SAMPLING`). The blank
+    goes on the innermost transformers model, which is where ``generate`` reads it (PEFT copies it there)."""
+    from transformers import GenerationConfig
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
+@torch.no_grad()
+def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
+             temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0) -> Rollout:
+    """Sample responses with ``model.generate`` (KV cache; stops as soon as every row has hit EOS) from exactly
+    softmax(logits / temperature): no top-k/top-p (refused, docs/sampling.md), nothing from the checkpoint."""
     from transformers.utils import logging as hf_logging
 
+    config = sampling_config(tokenizer, model, max_new_tokens, temperature, greedy, min_new_tokens)
     was_training, verbosity = model.training, hf_logging.get_verbosity()
     model.eval()
     # Finished rows keep emitting PAD, which makes transformers warn about padding without a mask: harmless.
     hf_logging.set_verbosity_error()
     try:
-        output = model.generate(input_ids=query, attention_mask=query_mask, generation_config=config)
+        with checkpoint_defaults_off(model):
+            output = model.generate(input_ids=query, attention_mask=query_mask, generation_config=config)
     finally:
         hf_logging.set_verbosity(verbosity)
         model.train(was_training)
     response = output[:, query.shape[1]:]
-    response_mask, ended = response_mask_after_eos(response, eos)
+    response_mask, ended = response_mask_after_eos(response, config.eos_token_id)
     response = torch.where(response_mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
     return Rollout(query=query, query_mask=query_mask, response=response, response_mask=response_mask,
                    ended_with_eos=ended)

@@ -31,17 +31,30 @@ from tether.ppo.rollout import critic_values, encode_prompts, forward_response, 
 from tether.ppo.sources import postprocess_scores, score_responses
 
 
+# The scoring phase's parts (C2); perf/seconds_score is their sum.
+SCORE_PHASES = ("logprobs_old", "reference", "values", "reward")
+
+
 @dataclass
 class PhaseTimer:
-    """Wall seconds per phase of one step (C2)."""
+    """Wall seconds per phase of one step (C2). ``with timer(phase):`` times a block; ``timer.split(part)``
+    inside a block charges the seconds since the block began (or the previous split) to ``part``, and a
+    block with splits is charged only to its parts (the time after the last split goes to that part)."""
 
     seconds: dict = field(default_factory=dict)
+    _mark: float = 0.0
+    _last: str = ""
 
     @contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        self._mark, self._last = time.perf_counter(), phase
         yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+        self.split(self._last)
+
+    def split(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._mark
+        self._mark, self._last = now, part
 
 
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
@@ -52,7 +65,7 @@ def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[
     g = cfg.generation
     device = models.unwrapped_policy.device
     rollout = generate(models.unwrapped_policy, models.tokenizer, query.to(device), query_mask.to(device),
-                       g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy,
+                       g.max_new_tokens, g.temperature, greedy=greedy,
                        min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
                                           skip_special_tokens=True)
@@ -73,18 +86,21 @@ def ppo_step(run, cfg, step: int) -> dict:
     mask = rollout.response_mask.float()  # (B, T)
     lengths = rollout.lengths  # (B,)
 
-    with timer("score"):
+    with timer("score"):  # charged to its parts, SCORE_PHASES (C2)
         # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch.
         logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, cfg.generation.temperature,
                                                          need_hidden=m.critic_is_head)
+        timer.split("logprobs_old")
         # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen copy.
         with m.policy.reference_model(m.policy_model) as reference:
             logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
+        timer.split("reference")
         # 4. Values of s_0 … s_T; V(s_T) bootstraps rows cut by max_new_tokens, 0 after EOS (B7).
         values_all = critic_values(m.critic, rollout, hidden)  # (B, T+1)
         values_old = values_all[:, :-1] * mask
         last_values = values_all[torch.arange(len(rollout), device=p.device), lengths] \
             * (~rollout.ended_with_eos).float()
+        timer.split("values")
         # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5).
         scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
         scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores,
@@ -96,6 +112,7 @@ def ppo_step(run, cfg, step: int) -> dict:
         # 7. Whitening (B8) over the valid tokens of all ranks; then everything is frozen.
         if cfg.ppo.whiten_advantages:
             advantages = whiten(advantages, mask, distributed=p.world_size > 1)
+        timer.split("reward")  # steps 5-7: reward sources, per-token rewards, GAE, whitening
     experience = Experience(rollout=rollout, logprobs_old=logprobs_old, logprobs_ref=logprobs_ref,
                             values_old=values_old, last_values=last_values, scores=scores, kl=kl,
                             rewards=rewards, advantages=advantages, returns=returns)
@@ -145,11 +162,15 @@ def response_metrics(p, rollout: Rollout) -> dict:
 
 
 def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:
-    seconds_step = sum(timer.seconds.values())
-    return {"perf/seconds_generate": timer.seconds["generate"], "perf/seconds_score": timer.seconds["score"],
-            "perf/seconds_train": timer.seconds["train"], "perf/seconds_step": seconds_step,
+    """Seconds per phase (C2), their sum, tokens per second and the rollout share. Weight sync is 0.0 when
+    the sampler reads the trained weights directly (the transformers engine)."""
+    s = {phase: timer.seconds.get(phase, 0.0) for phase in ("generate", "weight_sync", *SCORE_PHASES, "train")}
+    seconds_score = sum(s[phase] for phase in SCORE_PHASES)
+    seconds_step = s["generate"] + s["weight_sync"] + seconds_score + s["train"]
+    return {**{f"perf/seconds_{phase}": v for phase, v in s.items()},
+            "perf/seconds_score": seconds_score, "perf/seconds_step": seconds_step,
             "perf/tokens_per_second": n_tokens / max(seconds_step, 1e-9),
-            "perf/rollout_share": timer.seconds["generate"] / max(seconds_step, 1e-9)}
+            "perf/rollout_share": s["generate"] / max(seconds_step, 1e-9)}
 
 
 def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:

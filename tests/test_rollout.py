@@ -1,0 +1,164 @@
+"""Sampling equals scoring (B1, B2): the checkpoint's own generation_config changes nothing tether samples,
+the sampler's per-token distribution is the one the training-side forward scores, truncated sampling is
+refused; and the phase timing of a step (C2)."""
+
+import copy
+
+import pytest
+import torch
+from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+from tether.errors import ConfigError
+from tether.ppo.rollout import encode_prompts, forward_response, generate, sequence_inputs
+
+# What instruct checkpoints ship in generation_config.json; each would change transformers' sampling.
+LEAKY = {"repetition_penalty": 1.5, "top_k": 3, "top_p": 0.5, "min_p": 0.2, "no_repeat_ngram_size": 2,
+         "temperature": 0.3, "suppress_tokens": [5], "do_sample": False}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    return make_policy_dir(root), make_prompts_file(root)
+
+
+def _models(policy_dir):
+    """The same weights twice: one with a neutral generation_config, one whose generation_config sets LEAKY."""
+    from transformers import AutoModelForCausalLM
+
+    from tether.ppo.models import load_tokenizer
+
+    tokenizer = load_tokenizer(policy_dir)
+    plain = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    leaky = copy.deepcopy(plain)
+    for key, value in LEAKY.items():
+        setattr(leaky.generation_config, key, value)
+    return tokenizer, plain, leaky
+
+
+def _query(tokenizer):
+    query, query_mask = encode_prompts(tokenizer, ["1+2=", "123+456=", "9=", "77+8="], 16, False)
+    assert (query_mask == 0).any()  # left-padded rows of different lengths
+    return query, query_mask
+
+
+def _spy_scores(model) -> list:
+    """Make ``model.generate`` also keep the processed scores (the logits after every processor generate
+    applied, i.e. the log of the distribution each token was drawn from, up to a constant)."""
+    kept, original = [], model.generate
+
+    def spying_generate(*args, generation_config, **kwargs):
+        config = copy.deepcopy(generation_config)
+        config.output_scores, config.return_dict_in_generate = True, True
+        out = original(*args, generation_config=config, **kwargs)
+        kept.append(torch.stack(out.scores, dim=1))  # (B, T, V)
+        return out.sequences
+
+    model.generate = spying_generate
+    return kept
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_checkpoint_generation_config_changes_no_sample(files, temperature):
+    """Same seed, same weights: tether samples the same token ids whether or not the checkpoint's
+    generation_config sets a repetition penalty, top-k, top-p, min-p, an n-gram ban, a suppressed token."""
+    tokenizer, plain, leaky = _models(files[0])
+    query, query_mask = _query(tokenizer)
+    rollouts = []
+    for model in (plain, leaky):
+        torch.manual_seed(0)
+        rollouts.append(generate(model, tokenizer, query, query_mask, 12, temperature))
+    assert rollouts[0].response.shape[1] > 3
+    assert torch.equal(rollouts[0].response, rollouts[1].response)
+    assert torch.equal(rollouts[0].response_mask, rollouts[1].response_mask)
+    # the checkpoint's own settings are left as they were after sampling
+    assert leaky.generation_config.repetition_penalty == 1.5 and leaky.generation_config.top_k == 3
+
+
+def test_checkpoint_generation_config_changes_no_greedy_reply(files):
+    tokenizer, plain, leaky = _models(files[0])
+    query, query_mask = _query(tokenizer)
+    a, b = (generate(m, tokenizer, query, query_mask, 12, greedy=True) for m in (plain, leaky))
+    assert torch.equal(a.response, b.response)
+    # greedy really is the argmax of the training-side logits at every valid token
+    input_ids, attention_mask, position_ids = sequence_inputs(a.query, a.query_mask, a.response, a.response_mask)
+    with torch.no_grad():
+        out = plain(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    T = a.response.shape[1]
+    argmax = out.logits[:, -(T + 1):-1].argmax(-1)
+    assert torch.equal(argmax[a.response_mask.bool()], a.response[a.response_mask.bool()])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_sampler_distribution_is_the_one_scored(files, temperature):
+    """For a checkpoint whose generation_config sets every leaky option, the sampler's own per-token
+    log-probs (log_softmax of generate's processed scores) equal the training-side log-probs of
+    softmax(logits / T) at every valid token, and no token of the vocabulary was masked out."""
+    tokenizer, _, leaky = _models(files[0])
+    query, query_mask = _query(tokenizer)
+    kept = _spy_scores(leaky)
+    torch.manual_seed(1)
+    rollout = generate(leaky, tokenizer, query, query_mask, 12, temperature)
+    scores = kept[0][:, :rollout.response.shape[1]].float()  # (B, T, V)
+    mask = rollout.response_mask.bool()
+    assert torch.isfinite(scores[mask]).all()  # no top-k / top-p / min-p / suppress mask was applied
+    sampler = torch.log_softmax(scores, -1).gather(-1, rollout.response[..., None])[..., 0]
+    with torch.no_grad():
+        trained, _, _ = forward_response(leaky, rollout, temperature)
+    torch.testing.assert_close(trained[mask], sampler[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("override, flag", [({"generation__top_p": 0.9}, "--top-p"),
+                                            ({"generation__top_k": 20}, "--top-k")])
+def test_truncated_sampling_is_refused(files, tmp_path, override, flag):
+    with pytest.raises(ConfigError, match=flag):
+        tiny_config(tmp_path, *files, **override)
+
+
+def test_phase_timer_charges_a_split_block_to_its_parts(monkeypatch):
+    import tether.ppo.step as step_module
+
+    clock = [0.0]
+    monkeypatch.setattr(step_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    timer = step_module.PhaseTimer()
+    with timer("generate"):
+        clock[0] += 1.0
+    with timer("score"):
+        clock[0] += 2.0
+        timer.split("a")
+        clock[0] += 4.0
+        timer.split("b")
+        clock[0] += 0.5  # after the last split: still b's
+    assert timer.seconds == {"generate": 1.0, "a": 2.0, "b": 4.5}
+
+
+def test_step_reports_each_phase(files, tmp_path, monkeypatch):
+    """A fake clock that only moves inside each phase's work (by 1, 2, 4, 8, 16, 32 s) shows that each
+    perf/seconds_* key holds exactly its own phase, that seconds_score is the sum of the four scoring parts,
+    and that weight sync is 0.0 with the transformers engine (it samples from the trained weights)."""
+    import tether.ppo.step as step_module
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files)
+    run = setup(cfg)
+    clock = [0.0]
+    monkeypatch.setattr(step_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    def ticking(fn, *seconds):
+        calls = []
+
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            clock[0] += seconds[len(calls)] if len(calls) < len(seconds) else 0.0  # later calls: the train phase
+            calls.append(1)
+            return out
+        return wrapped
+
+    for name, seconds in [("rollout_batch", (1.0,)), ("forward_response", (2.0, 4.0)), ("critic_values", (8.0,)),
+                          ("score_responses", (16.0,)), ("ppo_epochs", (32.0,))]:
+        monkeypatch.setattr(step_module, name, ticking(getattr(step_module, name), *seconds))
+    metrics = step_module.ppo_step(run, cfg, 1)
+    expected = {"generate": 1.0, "weight_sync": 0.0, "logprobs_old": 2.0, "reference": 4.0, "values": 8.0,
+                "reward": 16.0, "score": 30.0, "train": 32.0, "step": 63.0}
+    assert {k: metrics[f"perf/seconds_{k}"] for k in expected} == expected
+    assert metrics["perf/rollout_share"] == 1.0 / 63.0
