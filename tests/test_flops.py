@@ -60,3 +60,21 @@ def test_hand_values_and_training_is_three_forwards():
 def test_cpu_peak_probe_is_a_plausible_rate():
     peak, source = peak_flops(torch.device("cpu"), seconds=0.05)
     assert 1e8 < peak < 1e14 and "probe" in source
+
+
+def test_padding_fraction_by_hand_and_step_flops_add_up():
+    from tether.ppo.perf import Throughput, padding_fraction, step_flops
+
+    query_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])        # prompts of 2 and 3 tokens, left-padded to 3
+    response_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])  # responses of 1 and 4 tokens, padded to 4
+    assert padding_fraction(query_mask, response_mask) == pytest.approx(1 - 10 / 14)
+    shape = FlopShape(matmul_params=100, head_params=10, layers=2, width=4)
+    t = Throughput(policy=shape, critic=None, value_head_params=20, peak=1.0, peak_source="test")
+    out = step_flops(t, query_mask, response_mask.sum(dim=1), epochs_run=2, critic_only=False)
+    policy = (forward_flops(shape, 3, with_head=False) + 2 * 10 * 1) + (forward_flops(shape, 7, with_head=False) + 2 * 10 * 4)
+    head = 2 * 20 * (1 + 1) + 2 * 20 * (4 + 1)
+    assert out["generate"] == generation_flops(shape, 2, 1) + generation_flops(shape, 3, 4)
+    assert out["logprobs_old"] == out["reference"] == policy and out["values"] == head
+    assert out["train"] == 2 * (3 * policy + 3 * head)
+    warmup = step_flops(t, query_mask, response_mask.sum(dim=1), epochs_run=1, critic_only=True)
+    assert warmup["train"] == policy + 3 * head  # critic warm-up: the policy forward only, no backward

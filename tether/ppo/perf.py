@@ -6,11 +6,12 @@ the step's model FLOPs per phase, so that ``perf/mfu`` = FLOPs / (seconds × pea
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tether.core.flops import FlopShape
+from tether.core.flops import FlopShape, forward_flops, generation_flops, train_flops
 
 EMBEDDING_NAMES = ("wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings", "position_embeddings")
 # Dense peak FLOP/s by device name fragment (bf16/fp16 tensor cores, no sparsity), for GPUs.
@@ -52,3 +53,52 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2.0 * n ** 3 / best, f"matmul probe ({n}x{n} {str(dtype).replace('torch.', '')}, {torch.get_num_threads()} threads)"
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What the step's FLOP count needs, measured once at set-up."""
+
+    policy: FlopShape
+    critic: FlopShape | None   # a separate critic's backbone + value head; None: a head on the policy
+    value_head_params: int     # matmul weights of the value head (the whole critic cost of a head)
+    peak: float                # FLOP/s of one device
+    peak_source: str
+
+
+def throughput_of(models, device: torch.device, dtype: torch.dtype = torch.float32) -> Throughput:
+    """FLOP shapes of the policy and the critic (``models``: :class:`~tether.ppo.setup.Models`) and the peak."""
+    critic = models.unwrapped_critic
+    head = getattr(critic, "head", critic)
+    head_params = sum(p.numel() for p in head.parameters() if p.dim() == 2)
+    critic_shape = None
+    if hasattr(critic, "backbone"):
+        body = flop_shape(critic.backbone)
+        critic_shape = FlopShape(body.matmul_params + head_params, 0, body.layers, body.width)
+    peak, source = peak_flops(device, dtype)
+    return Throughput(flop_shape(models.unwrapped_policy), critic_shape, head_params, peak, source)
+
+
+def step_flops(t: Throughput, query_mask: torch.Tensor, lengths: torch.Tensor, epochs_run: int,
+               critic_only: bool) -> dict[str, float]:
+    """Model FLOPs of one step's phases on this process (``query_mask`` (B, P), ``lengths`` (B,) response
+    tokens). Forwards over prompt + response compute logits only for the response (B2's ``logits_to_keep``);
+    the train phase makes ``epochs_run`` passes of forward + backward (a policy forward only, no backward,
+    during critic warm-up). Reward-model forwards are not counted: they run on their own tokenizer."""
+    prompt = query_mask.sum(dim=1).tolist()
+    response = lengths.tolist()
+    gen = sum(generation_flops(t.policy, p, r) for p, r in zip(prompt, response))
+    policy = sum(forward_flops(t.policy, p + r, with_head=False) + 2.0 * t.policy.head_params * r
+                 for p, r in zip(prompt, response))
+    if t.critic is not None:
+        critic = sum(forward_flops(t.critic, p + r, with_head=False) for p, r in zip(prompt, response))
+    else:
+        critic = sum(2.0 * t.value_head_params * (r + 1) for r in response)
+    train = epochs_run * ((policy if critic_only else train_flops(policy)) + train_flops(critic))
+    return {"generate": gen, "logprobs_old": policy, "reference": policy, "values": critic, "train": train}
+
+
+def padding_fraction(query_mask: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Share of the positions a forward over the padded (B, P + T) batch computes that are padding."""
+    computed = query_mask.numel() + response_mask.numel()
+    return 1.0 - float(query_mask.sum() + response_mask.sum()) / max(computed, 1)
