@@ -338,3 +338,15 @@ def test_two_processes_of_4_equal_one_process_of_8(files, tmp_path):
     the two halves hold different token counts (DDP's plain average over processes would not)."""
     _assert_same_gradients(_worker_grads(files, tmp_path / "one.pt", 1),
                            _worker_grads(files, tmp_path / "two.pt", 2, processes=2))
+
+
+def test_step_reports_flops_mfu_and_padding(files, tmp_path):
+    """perf/tflops_step is the model FLOPs of the step's phases (tether.core.flops, checked against torch's
+    count in test_flops) and perf/mfu their rate over the device peak; padding_fraction from the batch shape."""
+    cfg = tiny_config(tmp_path, *files, ppo__epochs=2, ppo__early_stop=False)
+    c = setup(cfg)
+    metrics = ppo_step(c, cfg, 1)
+    assert 0 < metrics["perf/mfu"] < 1 and 0 < metrics["perf/mfu_train"] < 1
+    assert 0 <= metrics["perf/padding_fraction"] < 1
+    seconds = sum(metrics[f"perf/seconds_{k}"] for k in ("generate", "logprobs_old", "reference", "values", "train"))
+    assert metrics["perf/mfu"] == pytest.approx(metrics["perf/tflops_step"] * 1e12 / (seconds * c.perf.peak))

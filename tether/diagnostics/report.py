@@ -47,6 +47,8 @@ PANELS = [
     ("Explained variance", [("value/explained_variance", "-")], "explained_variance", False),
     ("Policy entropy", [("policy/entropy", "-")], None, False),
     ("Response length (mean; one run: min–max shaded)", [("response/length_mean", "-")], None, False),
+    ("Model FLOPs utilisation (step; dashed: train phase)", [("perf/mfu", "-"), ("perf/mfu_train", "--")], None,
+     False),
     ("Reward model: training loss (−log σ(r_w − r_l))", [("rm/loss", "-")], None, False),
     ("Reward model: batch accuracy (r_w > r_l)", [("rm/accuracy", "-")], None, False),
 ]
@@ -214,6 +216,11 @@ def _phase_html(run: Run) -> str:
         f"<p>Rollout share of a step: <b>{100 * share:.0f}%</b> "
         f"({'healthy, ≤ 40%' if share <= 0.4 else 'above the 40% a fast rollout engine allows'}); "
         f"tokens/s: {_fmt(_mean(run.rows, 'perf/tokens_per_second'))}.</p>")
+    mfu, padding = _mean(run.rows, "perf/mfu"), _mean(run.rows, "perf/padding_fraction")
+    if mfu is not None:
+        verdict += (f"<p>Model FLOPs utilisation: {100 * mfu:.1f}% of the device's peak (train phase "
+                    f"{100 * (_mean(run.rows, 'perf/mfu_train') or 0):.1f}%); padding: "
+                    f"{100 * (padding or 0):.0f}% of computed positions.</p>")
     return (f"<div class=bar>{bar}</div><table><tr><th>phase</th><th>s / step (mean)</th><th>share</th></tr>"
             f"{cells}<tr><td>step</td><td>{_fmt(total)}</td><td></td></tr></table>{verdict}")
 

@@ -25,6 +25,7 @@ from torch import nn
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
 from tether.ppo.models import Policy, ValueHead, load_critic, load_policy, load_tokenizer, same_vocabulary
+from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.prompts import PromptStream, load_prompts
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
 
@@ -154,6 +155,7 @@ class Run:
     models: Models
     optim: Optimisation
     data: Data
+    perf: Throughput               # FLOP shapes and the device peak, for perf/mfu
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:
@@ -273,4 +275,4 @@ def setup(cfg) -> Run:
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
                 running_scores=RunningMoments())
-    return Run(processes, models, optim, data)
+    return Run(processes, models, optim, data, throughput_of(models, processes.device))

@@ -25,11 +25,11 @@ from tether.core.advantages import gae, masked_mean, masked_var, shaped_rewards,
 from tether.core.kl import kl_penalty
 from tether.core.losses import ppo_policy_loss, ppo_value_loss
 from tether.core.stats import explained_variance, repetition_counts
+from tether.ppo.perf import padding_fraction, step_flops
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
 from tether.ppo.rollout import critic_values, encode_prompts, forward_response, generate
 from tether.ppo.sources import postprocess_scores, score_responses
-
 
 # The scoring phase's parts (C2); perf/seconds_score is their sum.
 SCORE_PHASES = ("logprobs_old", "reference", "values", "reward")
@@ -139,6 +139,7 @@ def ppo_step(run, cfg, step: int) -> dict:
         **value_metrics(p, values_old, returns, mask),
         **response_metrics(p, rollout),
         **perf_metrics(timer, p.global_sum(lengths.sum().float())),
+        **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
     }
@@ -171,6 +172,23 @@ def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:
             "perf/seconds_score": seconds_score, "perf/seconds_step": seconds_step,
             "perf/tokens_per_second": n_tokens / max(seconds_step, 1e-9),
             "perf/rollout_share": s["generate"] / max(seconds_step, 1e-9)}
+
+
+def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run: int, critic_only: bool) -> dict:
+    """Model FLOPs per second over the device's peak (C6): for the step, generation and training (per device:
+    all processes' FLOPs over world size), and the share of computed positions that are padding."""
+    flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only)
+    per_device = {phase: p.global_sum(f) / p.world_size for phase, f in flops.items()}
+    seconds = {phase: timer.seconds.get(phase, 0.0) for phase in flops}
+
+    def mfu(total: float, secs: float) -> float:
+        return total / (max(secs, 1e-9) * perf.peak)
+
+    return {"perf/mfu": mfu(sum(per_device.values()), sum(seconds.values())),
+            "perf/mfu_generate": mfu(per_device["generate"], seconds["generate"]),
+            "perf/mfu_train": mfu(per_device["train"], seconds["train"]),
+            "perf/tflops_step": sum(per_device.values()) / 1e12,
+            "perf/padding_fraction": p.global_mean(padding_fraction(rollout.query_mask, rollout.response_mask))}
 
 
 def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
