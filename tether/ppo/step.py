@@ -184,7 +184,7 @@ def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run:
     def mfu(total: float, secs: float) -> float:
         return total / (max(secs, 1e-9) * perf.peak)
 
-    return {"perf/mfu": mfu(sum(per_device.values()), sum(seconds.values())),
+    return {"perf/mfu": mfu(sum(per_device.values()), sum(timer.seconds.values())),  # over the whole step
             "perf/mfu_generate": mfu(per_device["generate"], seconds["generate"]),
             "perf/mfu_train": mfu(per_device["train"], seconds["train"]),
             "perf/tflops_step": sum(per_device.values()) / 1e12,
