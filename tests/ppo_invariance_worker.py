@@ -1,6 +1,6 @@
 """Run one PPO update on a fixed batch of 8 rollouts and save the gradients the optimisers are about to use.
 
-``python ppo_invariance_worker.py POLICY PROMPTS OUT.pt GRAD_ACCUMULATION`` in one process updates on all 8
+``python ppo_invariance_worker.py POLICY PROMPTS OUT.pt GRAD_ACCUMULATION [TRIM]`` in one process updates on all 8
 rows; under ``accelerate launch --num_processes 2`` each process takes 4 of the same 8 rows. The rows have
 different response lengths on purpose (the processes hold different token counts), and the advantages are
 fixed random numbers, so only the loss weighting can make the gradients differ. Used by tests/test_ppo.py.
@@ -42,7 +42,7 @@ def fixed_experience(run, cfg) -> Experience:
                       rewards=zeros, advantages=advantages, returns=returns)
 
 
-def main(policy: str, prompts: str, out: str, grad_accumulation: str) -> None:
+def main(policy: str, prompts: str, out: str, grad_accumulation: str, trim: str = "true") -> None:
     root = Path(out).parent / f"run-{Path(out).stem}"
     cfg = tiny_config(root, Path(policy), Path(prompts), generation__max_new_tokens=8, generation__min_new_tokens=0)
     run = setup(cfg)
@@ -50,6 +50,7 @@ def main(policy: str, prompts: str, out: str, grad_accumulation: str) -> None:
     cfg.batch_size, cfg.ppo.mini_batches, cfg.ppo.epochs = ROWS // world, 1, 1
     cfg.ppo.grad_accumulation = int(grad_accumulation)
     cfg.ppo.early_stop = False
+    cfg.ppo.trim_padding = trim == "true"
     experience = fixed_experience(run, cfg)
     lengths = experience.rollout.lengths
     assert len(set(lengths.tolist())) > 1, "the rows need different lengths"

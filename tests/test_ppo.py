@@ -306,12 +306,13 @@ def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
 WORKER = Path(__file__).resolve().parent / "ppo_invariance_worker.py"
 
 
-def _worker_grads(files, out: Path, accumulation: int, processes: int = 1) -> dict:
+def _worker_grads(files, out: Path, accumulation: int, processes: int = 1, trim: bool = True) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] if processes > 1 \
         else [sys.executable]
-    proc = subprocess.run([*launch, str(WORKER), str(files[0]), str(files[1]), str(out), str(accumulation)],
+    proc = subprocess.run([*launch, str(WORKER), str(files[0]), str(files[1]), str(out), str(accumulation),
+                           str(trim).lower()],
                           capture_output=True, text=True, timeout=600, env=env, cwd=WORKER.parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
@@ -350,3 +351,27 @@ def test_step_reports_flops_mfu_and_padding(files, tmp_path):
     assert 0 <= metrics["perf/padding_fraction"] < 1
     rate = metrics["perf/tflops_step"] * 1e12 / metrics["perf/seconds_step"]
     assert metrics["perf/mfu"] == pytest.approx(rate / c.perf.peak)
+
+
+def test_trimmed_length_grouped_microbatches_give_the_padded_gradient(files, tmp_path):
+    """ppo.trim_padding sorts a minibatch's rows by length into micro-batches and cuts each micro-batch's
+    all-padding columns: the gradient is the one of the padded, unsorted micro-batches."""
+    _assert_same_gradients(_worker_grads(files, tmp_path / "padded.pt", 4, trim=False),
+                           _worker_grads(files, tmp_path / "trimmed.pt", 4, trim=True))
+
+
+def test_trimmed_cuts_only_columns_that_are_padding_in_every_row():
+    from tether.ppo.records import Experience, Rollout
+
+    query_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])  # the first column is padding in both rows
+    response_mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])  # the last 3 columns too
+    rollout = Rollout(query=torch.arange(8).view(2, 4), query_mask=query_mask, response=torch.arange(10).view(2, 5),
+                      response_mask=response_mask, ended_with_eos=torch.tensor([True, False]))
+    per_token = torch.arange(10.0).view(2, 5) * response_mask
+    experience = Experience(rollout, *(per_token,) * 3, torch.tensor([0.0, 1.5]), torch.tensor([1.0, 2.0]),
+                            *(per_token,) * 4)
+    t = experience.trimmed()
+    assert torch.equal(t.rollout.query, torch.tensor([[1, 2, 3], [5, 6, 7]]))
+    assert torch.equal(t.rollout.query_mask, query_mask[:, 1:]) and torch.equal(t.response_mask, response_mask[:, :2])
+    assert torch.equal(t.advantages, per_token[:, :2]) and torch.equal(t.last_values, experience.last_values)
+    assert t.rollout.lengths.tolist() == [2, 1] and torch.equal(t.rollout.ended_with_eos, rollout.ended_with_eos)

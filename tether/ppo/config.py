@@ -109,6 +109,8 @@ class PPOConfig:
     vf_coef: float = option(0.5, "c1: weight of the value loss", low=0.0)
     entropy_coef: float = option(0.0, "c2: entropy bonus weight", low=0.0)
     whiten_advantages: bool = option(True, "z-score advantages over the batch's valid tokens (B8)")
+    trim_padding: bool = option(True, "train on micro-batches of similar lengths with their all-padding columns "
+                                "cut (same loss and gradients, less compute)")
     early_stop: bool = option(True, "stop the epoch loop when approx KL to pi_old > early_stop_factor x target")
     early_stop_factor: float = option(1.5, "early-stop threshold in units of --target-kl", low=0.0,
                                       low_open=True)

@@ -47,6 +47,15 @@ class Rollout:
     def select(self, index: torch.Tensor) -> "Rollout":
         return _select(self, index)
 
+    def trimmed(self) -> "Rollout":
+        """The same rows without the columns that are padding in every row: the prompt's leading columns
+        (left padding) and the response's trailing ones. Positions come from the attention mask, so every
+        forward computes the same values on fewer columns."""
+        first = int(self.query_mask.any(dim=0).float().argmax())  # (P,) -> first column with a token
+        width = int(self.lengths.max()) if len(self) else 0
+        return Rollout(self.query[:, first:], self.query_mask[:, first:], self.response[:, :width],
+                       self.response_mask[:, :width], self.ended_with_eos)
+
 
 @dataclass(frozen=True)
 class Experience:
@@ -73,3 +82,12 @@ class Experience:
 
     def select(self, index: torch.Tensor) -> "Experience":
         return _select(self, index)
+
+    def trimmed(self) -> "Experience":
+        """:meth:`Rollout.trimmed` for the rollout and every (B, T) field (the padding columns are all zero
+        in each, masked out of every loss)."""
+        rollout = self.rollout.trimmed()
+        width = rollout.response.shape[1]
+        per_token = {f.name: getattr(self, f.name)[:, :width] for f in fields(self)
+                     if f.name not in ("rollout", "last_values", "scores")}
+        return Experience(rollout=rollout, last_values=self.last_values, scores=self.scores, **per_token)

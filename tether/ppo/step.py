@@ -208,6 +208,9 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
         epoch_kl = []
         for start in range(0, len(experience), cfg.minibatch_size):
             minibatch = experience.select(order[start:start + cfg.minibatch_size])
+            if cfg.ppo.trim_padding:  # micro-batches of similar lengths: less padding left after trimming
+                total = minibatch.rollout.query_mask.sum(dim=1) + minibatch.rollout.lengths
+                minibatch = minibatch.select(torch.argsort(total, stable=True))
             # The losses are token means over the minibatch of *all* processes. DDP averages gradients over
             # processes, so a micro-batch weighs (its tokens × world size / all processes' tokens): processes
             # holding more tokens weigh more, exactly as one process with the whole minibatch would.
@@ -217,6 +220,7 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
             stats_mb: dict[str, float] = {}
             for m0 in range(0, len(minibatch), micro):
                 mb = minibatch.select(torch.arange(m0, m0 + micro, device=p.device))
+                mb = mb.trimmed() if cfg.ppo.trim_padding else mb
                 weight = mb.response_mask.sum() / n_tokens
                 with p.no_sync([m.policy_model, m.critic], last=m0 + micro >= len(minibatch)):
                     stats = minibatch_loss(run, cfg, mb, critic_only, weight)
