@@ -58,11 +58,17 @@ def _spy_scores(model) -> list:
     return kept
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_checkpoint_generation_config_changes_no_sample(files, temperature):
+@pytest.mark.parametrize("temperature, lora", [(1.0, False), (0.7, False), (0.7, True)])
+def test_checkpoint_generation_config_changes_no_sample(files, temperature, lora):
     """Same seed, same weights: tether samples the same token ids whether or not the checkpoint's
-    generation_config sets a repetition penalty, top-k, top-p, min-p, an n-gram ban, a suppressed token."""
+    generation_config sets a repetition penalty, top-k, top-p, min-p, an n-gram ban, a suppressed token;
+    also through a PEFT LoRA wrapper (which copies the base model's generation_config at generate)."""
     tokenizer, plain, leaky = _models(files[0])
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        plain, leaky = (get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+                        for m in (plain, leaky))
     query, query_mask = _query(tokenizer)
     rollouts = []
     for model in (plain, leaky):
@@ -72,7 +78,8 @@ def test_checkpoint_generation_config_changes_no_sample(files, temperature):
     assert torch.equal(rollouts[0].response, rollouts[1].response)
     assert torch.equal(rollouts[0].response_mask, rollouts[1].response_mask)
     # the checkpoint's own settings are left as they were after sampling
-    assert leaky.generation_config.repetition_penalty == 1.5 and leaky.generation_config.top_k == 3
+    config = leaky.get_base_model().generation_config if lora else leaky.generation_config
+    assert config.repetition_penalty == 1.5 and config.top_k == 3
 
 
 def test_checkpoint_generation_config_changes_no_greedy_reply(files):
