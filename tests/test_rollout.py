@@ -169,3 +169,39 @@ def test_step_reports_each_phase(files, tmp_path, monkeypatch):
                 "reward": 16.0, "score": 30.0, "train": 32.0, "step": 63.0}
     assert {k: metrics[f"perf/seconds_{k}"] for k in expected} == expected
     assert metrics["perf/rollout_share"] == 1.0 / 63.0
+
+
+def test_an_engine_with_its_own_weights_is_synced_before_sampling(files, tmp_path, monkeypatch):
+    """The engine seam (C3): the step asks a weight-holding engine to sync before it samples and reports that
+    time as perf/seconds_weight_sync (fake clock: 64 s); evaluation, which follows an update, syncs first too;
+    the transformers engine syncs nothing (0.0 above)."""
+    import tether.ppo.step as step_module
+    from tether.ppo.engines import TransformersEngine
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, data__eval_fraction=0.25)
+    run = setup(cfg)
+    assert isinstance(run.models.engine, TransformersEngine) and not run.models.engine.syncs_weights
+    clock, calls = [0.0], []
+    monkeypatch.setattr(step_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    class CopyingEngine(TransformersEngine):
+        name, syncs_weights = "copying", True
+
+        def sync_weights(self, model):
+            assert model is run.models.unwrapped_policy
+            calls.append("sync")
+            clock[0] += 64.0
+
+        def generate(self, *args, **kwargs):
+            calls.append("generate")
+            return super().generate(*args, **kwargs)
+
+    run.models.engine = CopyingEngine(run.models.unwrapped_policy, run.models.tokenizer)
+    metrics = step_module.ppo_step(run, cfg, 1)
+    assert calls == ["sync", "generate"]
+    assert metrics["perf/seconds_weight_sync"] == 64.0 and metrics["perf/seconds_step"] == 64.0
+    calls.clear()
+    evaluate(run, cfg, 1)
+    assert calls[0] == "sync" and calls[1:] and set(calls[1:]) == {"generate"}
