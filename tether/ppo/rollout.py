@@ -130,12 +130,13 @@ def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, ma
     softmax(logits / temperature): no top-k/top-p (refused, docs/sampling.md), nothing from the checkpoint."""
     from transformers.utils import logging as hf_logging
 
-    config = sampling_config(tokenizer, model, max_new_tokens, temperature, greedy, min_new_tokens)
     was_training, verbosity = model.training, hf_logging.get_verbosity()
     model.eval()
-    # Finished rows keep emitting PAD, which makes transformers warn about padding without a mask: harmless.
+    # Finished rows keep emitting PAD, which makes transformers warn about padding without a mask; greedy
+    # decoding calls the neutral top_k "ignored": both harmless.
     hf_logging.set_verbosity_error()
     try:
+        config = sampling_config(tokenizer, model, max_new_tokens, temperature, greedy, min_new_tokens)
         with checkpoint_defaults_off(model):
             output = model.generate(input_ids=query, attention_mask=query_mask, generation_config=config)
     finally:

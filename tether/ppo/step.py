@@ -79,9 +79,8 @@ def ppo_step(run, cfg, step: int) -> dict:
     rows = d.prompts.next_batch()
     prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
 
-    # 1. Rollout (B1): an engine with its own copy of the policy takes the current weights first (C3; at the
-    # step's start, so the first step and a resumed run are covered); then sample with the KV cache, stop
-    # when every row has ended; EOS vs truncated recorded.
+    # 1. Rollout (B1): an engine holding its own weights takes the current ones first (C3; here, so a resumed
+    # run is covered too), then samples with the KV cache until every row ended; EOS vs truncated recorded.
     if m.engine.syncs_weights:
         with timer("weight_sync"):
             m.engine.sync_weights(m.unwrapped_policy)
