@@ -96,23 +96,28 @@ def test_checkpoint_generation_config_changes_no_greedy_reply(files):
     assert torch.equal(argmax[a.response_mask.bool()], a.response[a.response_mask.bool()])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
-def test_sampler_distribution_is_the_one_scored(files, temperature):
+@pytest.mark.parametrize("temperature, min_new_tokens", [(1.0, 0), (0.7, 0), (1.3, 0), (0.7, 4)])
+def test_sampler_distribution_is_the_one_scored(files, temperature, min_new_tokens):
     """For a checkpoint whose generation_config sets every leaky option, the sampler's own per-token
     log-probs (log_softmax of generate's processed scores) equal the training-side log-probs of
-    softmax(logits / T) at every valid token, and no token of the vocabulary was masked out."""
+    softmax(logits / T) at every valid token; no token of the vocabulary was masked out, except EOS during
+    the first min_new_tokens samples, which the training side masks the same way."""
     tokenizer, _, leaky = _models(files[0])
     query, query_mask = _query(tokenizer)
     kept = _spy_scores(leaky)
     torch.manual_seed(1)
-    rollout = generate(leaky, tokenizer, query, query_mask, 12, temperature)
+    rollout = generate(leaky, tokenizer, query, query_mask, 12, temperature, min_new_tokens=min_new_tokens)
     scores = kept[0][:, :rollout.response.shape[1]].float()  # (B, T, V)
     mask = rollout.response_mask.bool()
-    assert torch.isfinite(scores[mask]).all()  # no top-k / top-p / min-p / suppress mask was applied
+    banned = torch.zeros_like(scores, dtype=torch.bool)
+    banned[:, :min_new_tokens, list(rollout.eos_ids)] = True
+    # no top-k / top-p / min-p / suppress mask was applied; the min_new_tokens EOS ban was
+    assert torch.equal(torch.isinf(scores)[mask], banned[mask])
     sampler = torch.log_softmax(scores, -1).gather(-1, rollout.response[..., None])[..., 0]
     with torch.no_grad():
-        trained, _, _ = forward_response(leaky, rollout, temperature)
+        trained, entropy, _ = forward_response(leaky, rollout, temperature)
     torch.testing.assert_close(trained[mask], sampler[mask], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(entropy[mask]).all()
 
 
 @pytest.mark.parametrize("override, flag", [({"generation__top_p": 0.9}, "--top-p"),

@@ -36,6 +36,8 @@ class Rollout:
     response: torch.Tensor         # (B, T) sampled token ids, pad after the first EOS
     response_mask: torch.Tensor    # (B, T) 1 up to and including the first EOS
     ended_with_eos: torch.Tensor   # (B,) bool: False = cut by max_new_tokens (truncated)
+    eos_ids: tuple[int, ...] = ()  # the token ids that end a response
+    min_new_tokens: int = 0        # EOS was kept out of the first min_new_tokens samples (scored so too, B1)
 
     def __len__(self) -> int:
         return self.query.shape[0]
