@@ -41,9 +41,14 @@ def test_cli_end_to_end_and_yaml(files, tmp_path, capsys):
                 "policy/ratio_max", "policy/entropy", "value/loss", "value/clip_fraction",
                 "value/explained_variance", "value/mean", "response/length_mean", "response/truncated_fraction",
                 "response/repetition", "perf/seconds_generate", "perf/seconds_score", "perf/seconds_train",
+                "perf/seconds_weight_sync", "perf/seconds_logprobs_old", "perf/seconds_reference",
+                "perf/seconds_values", "perf/seconds_reward",
                 "perf/tokens_per_second", "perf/rollout_share", "ppo/epochs_run", "eval/reward", "eval/accuracy"]
     for key in required:
         assert key in rows[-1], key
+    assert rows[-1]["perf/seconds_weight_sync"] == 0.0  # the transformers engine samples the trained weights
+    parts = ("logprobs_old", "reference", "values", "reward")
+    assert rows[-1]["perf/seconds_score"] == pytest.approx(sum(rows[-1][f"perf/seconds_{k}"] for k in parts))
     assert rows[0]["objective/kl_coef"] == 0.1 and rows[-1]["ppo/epochs_run"] <= 2
     # The adaptive rule (B11), from the KL step 1 saw against target 0.01: x2 above 1.5 x target, /2 below
     # target / 1.5, unchanged between.
@@ -83,6 +88,9 @@ def run_cli(args):
     ({"--no-such-flag": "1"}, "unrecognized arguments: --no-such-flag"),
     ({"--log-with": "nosuch"}, "--log-with: 'nosuch' is not a tracker accelerate knows"),
     ({"--critic-lora-r": "4"}, "--critic-lora-r: needs --critic separate"),
+    ({"--top-p": "0.9"}, "--top-p: 0.9 refused; PPO's log-probs, ratio and KL are of the untruncated"),
+    ({"--top-k": "20"}, "--top-k: 20 refused"),
+    ({"--engine": "vllm"}, "--engine: 'vllm' is not one of transformers"),
 ])
 def test_bad_input_one_line_exit_2(files, tmp_path, change, expected):
     (tmp_path / "empty.jsonl").write_text("")

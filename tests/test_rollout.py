@@ -58,11 +58,17 @@ def _spy_scores(model) -> list:
     return kept
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_checkpoint_generation_config_changes_no_sample(files, temperature):
+@pytest.mark.parametrize("temperature, lora", [(1.0, False), (0.7, False), (0.7, True)])
+def test_checkpoint_generation_config_changes_no_sample(files, temperature, lora):
     """Same seed, same weights: tether samples the same token ids whether or not the checkpoint's
-    generation_config sets a repetition penalty, top-k, top-p, min-p, an n-gram ban, a suppressed token."""
+    generation_config sets a repetition penalty, top-k, top-p, min-p, an n-gram ban, a suppressed token;
+    also through a PEFT LoRA wrapper (which copies the base model's generation_config at generate)."""
     tokenizer, plain, leaky = _models(files[0])
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        plain, leaky = (get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+                        for m in (plain, leaky))
     query, query_mask = _query(tokenizer)
     rollouts = []
     for model in (plain, leaky):
@@ -72,7 +78,8 @@ def test_checkpoint_generation_config_changes_no_sample(files, temperature):
     assert torch.equal(rollouts[0].response, rollouts[1].response)
     assert torch.equal(rollouts[0].response_mask, rollouts[1].response_mask)
     # the checkpoint's own settings are left as they were after sampling
-    assert leaky.generation_config.repetition_penalty == 1.5 and leaky.generation_config.top_k == 3
+    config = leaky.get_base_model().generation_config if lora else leaky.generation_config
+    assert config.repetition_penalty == 1.5 and config.top_k == 3
 
 
 def test_checkpoint_generation_config_changes_no_greedy_reply(files):
@@ -89,23 +96,28 @@ def test_checkpoint_generation_config_changes_no_greedy_reply(files):
     assert torch.equal(argmax[a.response_mask.bool()], a.response[a.response_mask.bool()])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
-def test_sampler_distribution_is_the_one_scored(files, temperature):
+@pytest.mark.parametrize("temperature, min_new_tokens", [(1.0, 0), (0.7, 0), (1.3, 0), (0.7, 4)])
+def test_sampler_distribution_is_the_one_scored(files, temperature, min_new_tokens):
     """For a checkpoint whose generation_config sets every leaky option, the sampler's own per-token
     log-probs (log_softmax of generate's processed scores) equal the training-side log-probs of
-    softmax(logits / T) at every valid token, and no token of the vocabulary was masked out."""
+    softmax(logits / T) at every valid token; no token of the vocabulary was masked out, except EOS during
+    the first min_new_tokens samples, which the training side masks the same way."""
     tokenizer, _, leaky = _models(files[0])
     query, query_mask = _query(tokenizer)
     kept = _spy_scores(leaky)
     torch.manual_seed(1)
-    rollout = generate(leaky, tokenizer, query, query_mask, 12, temperature)
+    rollout = generate(leaky, tokenizer, query, query_mask, 12, temperature, min_new_tokens=min_new_tokens)
     scores = kept[0][:, :rollout.response.shape[1]].float()  # (B, T, V)
     mask = rollout.response_mask.bool()
-    assert torch.isfinite(scores[mask]).all()  # no top-k / top-p / min-p / suppress mask was applied
+    banned = torch.zeros_like(scores, dtype=torch.bool)
+    banned[:, :min_new_tokens, list(rollout.eos_ids)] = True
+    # no top-k / top-p / min-p / suppress mask was applied; the min_new_tokens EOS ban was
+    assert torch.equal(torch.isinf(scores)[mask], banned[mask])
     sampler = torch.log_softmax(scores, -1).gather(-1, rollout.response[..., None])[..., 0]
     with torch.no_grad():
-        trained, _, _ = forward_response(leaky, rollout, temperature)
+        trained, entropy, _ = forward_response(leaky, rollout, temperature)
     torch.testing.assert_close(trained[mask], sampler[mask], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(entropy[mask]).all()
 
 
 @pytest.mark.parametrize("override, flag", [({"generation__top_p": 0.9}, "--top-p"),
@@ -162,3 +174,39 @@ def test_step_reports_each_phase(files, tmp_path, monkeypatch):
                 "reward": 16.0, "score": 30.0, "train": 32.0, "step": 63.0}
     assert {k: metrics[f"perf/seconds_{k}"] for k in expected} == expected
     assert metrics["perf/rollout_share"] == 1.0 / 63.0
+
+
+def test_an_engine_with_its_own_weights_is_synced_before_sampling(files, tmp_path, monkeypatch):
+    """The engine seam (C3): the step asks a weight-holding engine to sync before it samples and reports that
+    time as perf/seconds_weight_sync (fake clock: 64 s); evaluation, which follows an update, syncs first too;
+    the transformers engine syncs nothing (0.0 above)."""
+    import tether.ppo.step as step_module
+    from tether.ppo.engines import TransformersEngine
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, data__eval_fraction=0.25)
+    run = setup(cfg)
+    assert isinstance(run.models.engine, TransformersEngine) and not run.models.engine.syncs_weights
+    clock, calls = [0.0], []
+    monkeypatch.setattr(step_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    class CopyingEngine(TransformersEngine):
+        name, syncs_weights = "copying", True
+
+        def sync_weights(self, model):
+            assert model is run.models.unwrapped_policy
+            calls.append("sync")
+            clock[0] += 64.0
+
+        def generate(self, *args, **kwargs):
+            calls.append("generate")
+            return super().generate(*args, **kwargs)
+
+    run.models.engine = CopyingEngine(run.models.unwrapped_policy, run.models.tokenizer)
+    metrics = step_module.ppo_step(run, cfg, 1)
+    assert calls == ["sync", "generate"]
+    assert metrics["perf/seconds_weight_sync"] == 64.0 and metrics["perf/seconds_step"] == 64.0
+    calls.clear()
+    evaluate(run, cfg, 1)
+    assert calls[0] == "sync" and calls[1:] and set(calls[1:]) == {"generate"}

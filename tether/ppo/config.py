@@ -49,6 +49,8 @@ class DataConfig:
 
 @dataclass
 class GenerationConfig:
+    engine: str = option("transformers", "rollout engine (C3): 'transformers' generate on the trained policy "
+                         "(any device)", choices=("transformers",), flag="--engine")
     max_new_tokens: int = option(48, "response length cap; rows cut here are 'truncated'", low=1,
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature everywhere",
@@ -57,8 +59,8 @@ class GenerationConfig:
                           "(docs/sampling.md)", low=0.0, low_open=True, high=1.0, flag="--top-p")
     top_k: int = option(0, "top-k sampling: refused above 0 (off), PPO scores the untruncated distribution "
                         "(docs/sampling.md)", low=0, flag="--top-k")
-    min_new_tokens: int = option(0, "EOS is not sampled before this many tokens (benchmarks use it to fix the "
-                                 "response length)", low=0)
+    min_new_tokens: int = option(0, "EOS is not sampled before this many tokens, and log-probs are scored with "
+                                 "it masked there too (benchmarks use it to fix the response length)", low=0)
 
 
 @dataclass

@@ -21,6 +21,8 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
     if not rows:
         return {}, []
     model = m.unwrapped_policy
+    # Evaluation follows a step's update: an engine with its own weights must take them first (C3).
+    m.engine.sync_weights(model)
     samples, scores_all, correct_all = [], [], []
     for start in range(0, len(rows), cfg.batch_size):
         chunk = rows[start:start + cfg.batch_size]

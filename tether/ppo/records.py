@@ -12,7 +12,7 @@ its first EOS.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -36,6 +36,8 @@ class Rollout:
     response: torch.Tensor         # (B, T) sampled token ids, pad after the first EOS
     response_mask: torch.Tensor    # (B, T) 1 up to and including the first EOS
     ended_with_eos: torch.Tensor   # (B,) bool: False = cut by max_new_tokens (truncated)
+    eos_ids: tuple[int, ...] = ()  # the token ids that end a response
+    min_new_tokens: int = 0        # EOS was kept out of the first min_new_tokens samples (scored so too, B1)
 
     def __len__(self) -> int:
         return self.query.shape[0]
@@ -53,8 +55,8 @@ class Rollout:
         forward computes the same values on fewer columns."""
         first = int(self.query_mask.any(dim=0).float().argmax())  # (P,) -> first column with a token
         width = int(self.lengths.max()) if len(self) else 0
-        return Rollout(self.query[:, first:], self.query_mask[:, first:], self.response[:, :width],
-                       self.response_mask[:, :width], self.ended_with_eos)
+        return replace(self, query=self.query[:, first:], query_mask=self.query_mask[:, first:],
+                       response=self.response[:, :width], response_mask=self.response_mask[:, :width])
 
 
 @dataclass(frozen=True)

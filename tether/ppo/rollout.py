@@ -130,12 +130,13 @@ def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, ma
     softmax(logits / temperature): no top-k/top-p (refused, docs/sampling.md), nothing from the checkpoint."""
     from transformers.utils import logging as hf_logging
 
-    config = sampling_config(tokenizer, model, max_new_tokens, temperature, greedy, min_new_tokens)
     was_training, verbosity = model.training, hf_logging.get_verbosity()
     model.eval()
-    # Finished rows keep emitting PAD, which makes transformers warn about padding without a mask: harmless.
+    # Finished rows keep emitting PAD, which makes transformers warn about padding without a mask; greedy
+    # decoding calls the neutral top_k "ignored": both harmless.
     hf_logging.set_verbosity_error()
     try:
+        config = sampling_config(tokenizer, model, max_new_tokens, temperature, greedy, min_new_tokens)
         with checkpoint_defaults_off(model):
             output = model.generate(input_ids=query, attention_mask=query_mask, generation_config=config)
     finally:
@@ -145,7 +146,7 @@ def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, ma
     response_mask, ended = response_mask_after_eos(response, config.eos_token_id)
     response = torch.where(response_mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
     return Rollout(query=query, query_mask=query_mask, response=response, response_mask=response_mask,
-                   ended_with_eos=ended)
+                   ended_with_eos=ended, eos_ids=tuple(config.eos_token_id), min_new_tokens=min_new_tokens)
 
 
 def sequence_inputs(query, query_mask, response, response_mask):
@@ -166,8 +167,8 @@ def forward_response(model, batch: Rollout, temperature: float, need_hidden: boo
     """Training-side forward over query+response (B2).
 
     Returns ``(logprobs (B, T), entropy (B, T), hidden (B, T+1, H) or None)`` where log-probs and
-    entropy are of softmax(logits / temperature), and ``hidden`` holds the last-layer states
-    s_0 … s_T (for values)."""
+    entropy are of softmax(logits / temperature) — with EOS out of reach before the rollout's
+    ``min_new_tokens``, as it was sampled — and ``hidden`` holds the last-layer states s_0 … s_T (for values)."""
     T = batch.response.shape[1]
     input_ids, attention_mask, position_ids = sequence_inputs(batch.query, batch.query_mask,
                                                               batch.response, batch.response_mask)
@@ -175,10 +176,22 @@ def forward_response(model, batch: Rollout, temperature: float, need_hidden: boo
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=need_hidden, use_cache=False, **kwargs)
     logits = out.logits[:, -(T + 1):-1] / temperature  # (B, T, V): logits at P-1 … P+T-2
+    if batch.min_new_tokens and batch.eos_ids:
+        logits = without_early_eos(logits, batch.eos_ids, batch.min_new_tokens)
     logprobs = logprobs_from_logits(logits, batch.response)
     entropy = entropy_from_logits(logits)
     hidden = out.hidden_states[-1][:, -(T + 1):] if need_hidden else None
     return logprobs, entropy, hidden
+
+
+def without_early_eos(logits: torch.Tensor, eos_ids: tuple[int, ...], min_new_tokens: int) -> torch.Tensor:
+    """(B, T, V) logits with every EOS id out of reach at response positions t < min_new_tokens: the
+    distribution ``generate`` samples from under ``min_new_tokens`` (its MinNewTokensLengthLogitsProcessor
+    sets them to −inf). The dtype's lowest finite value instead of −inf gives the same softmax (exp underflows
+    to exactly 0) and keeps the entropy's p·z term at 0 rather than 0·(−inf) = NaN."""
+    banned = torch.zeros(logits.shape[-2:], dtype=torch.bool, device=logits.device)  # (T, V)
+    banned[:min_new_tokens, list(eos_ids)] = True
+    return logits.masked_fill(banned, torch.finfo(logits.dtype).min)
 
 
 def critic_values(critic, batch: Rollout, hidden: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch import nn
 
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
+from tether.ppo.engines import Engine, make_engine
 from tether.ppo.models import Policy, ValueHead, load_critic, load_policy, load_tokenizer, same_vocabulary
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.prompts import PromptStream, load_prompts
@@ -119,6 +120,7 @@ class Models:
     unwrapped_policy: PreTrainedModel
     critic: nn.Module              # ValueHead on the policy's hidden states, or SeparateCritic
     unwrapped_critic: nn.Module
+    engine: Engine                 # samples the rollouts (C3): --engine, over unwrapped_policy
 
     @property
     def critic_is_head(self) -> bool:
@@ -269,9 +271,11 @@ def setup(cfg) -> Run:
         policy.model, critic, optim.policy_optimizer, optim.critic_optimizer)
     policy_model.train()
     critic.train()
+    unwrapped_policy = accelerator.unwrap_model(policy_model)
     models = Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
-                    policy_model=policy_model, unwrapped_policy=accelerator.unwrap_model(policy_model),
-                    critic=critic, unwrapped_critic=accelerator.unwrap_model(critic))
+                    policy_model=policy_model, unwrapped_policy=unwrapped_policy,
+                    critic=critic, unwrapped_critic=accelerator.unwrap_model(critic),
+                    engine=make_engine(cfg.generation.engine, unwrapped_policy, tokenizer))
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
                 running_scores=RunningMoments())

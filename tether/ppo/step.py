@@ -28,7 +28,7 @@ from tether.core.stats import explained_variance, repetition_counts
 from tether.ppo.perf import padding_fraction, step_flops
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
-from tether.ppo.rollout import critic_values, encode_prompts, forward_response, generate
+from tether.ppo.rollout import critic_values, encode_prompts, forward_response
 from tether.ppo.sources import postprocess_scores, score_responses
 
 # The scoring phase's parts (C2); perf/seconds_score is their sum.
@@ -58,15 +58,14 @@ class PhaseTimer:
 
 
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
-    """Encode prompts, sample responses with the (unwrapped) policy, decode the valid response tokens.
+    """Encode prompts, sample responses with the run's rollout engine, decode the valid response tokens.
     ``models``: :class:`~tether.ppo.setup.Models`."""
     query, query_mask = encode_prompts(models.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
                                        models.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
     g = cfg.generation
     device = models.unwrapped_policy.device
-    rollout = generate(models.unwrapped_policy, models.tokenizer, query.to(device), query_mask.to(device),
-                       g.max_new_tokens, g.temperature, greedy=greedy,
-                       min_new_tokens=0 if greedy else g.min_new_tokens)
+    rollout = models.engine.generate(query.to(device), query_mask.to(device), g.max_new_tokens, g.temperature,
+                                     greedy=greedy, min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
                                           skip_special_tokens=True)
     return rollout, texts
@@ -80,7 +79,11 @@ def ppo_step(run, cfg, step: int) -> dict:
     rows = d.prompts.next_batch()
     prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
 
-    # 1. Rollout (B1): sample with the KV cache, stop when every row has ended; EOS vs truncated recorded.
+    # 1. Rollout (B1): an engine holding its own weights takes the current ones first (C3; here, so a resumed
+    # run is covered too), then samples with the KV cache until every row ended; EOS vs truncated recorded.
+    if m.engine.syncs_weights:
+        with timer("weight_sync"):
+            m.engine.sync_weights(m.unwrapped_policy)
     with timer("generate"):
         rollout, responses = rollout_batch(m, cfg, rows)
     mask = rollout.response_mask.float()  # (B, T)
