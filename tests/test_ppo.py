@@ -366,7 +366,8 @@ def test_trimmed_cuts_only_columns_that_are_padding_in_every_row():
     query_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])  # the first column is padding in both rows
     response_mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])  # the last 3 columns too
     rollout = Rollout(query=torch.arange(8).view(2, 4), query_mask=query_mask, response=torch.arange(10).view(2, 5),
-                      response_mask=response_mask, ended_with_eos=torch.tensor([True, False]))
+                      response_mask=response_mask, ended_with_eos=torch.tensor([True, False]), eos_ids=(3,),
+                      min_new_tokens=2)
     per_token = torch.arange(10.0).view(2, 5) * response_mask
     experience = Experience(rollout, *(per_token,) * 3, torch.tensor([0.0, 1.5]), torch.tensor([1.0, 2.0]),
                             *(per_token,) * 4)
@@ -375,3 +376,4 @@ def test_trimmed_cuts_only_columns_that_are_padding_in_every_row():
     assert torch.equal(t.rollout.query_mask, query_mask[:, 1:]) and torch.equal(t.response_mask, response_mask[:, :2])
     assert torch.equal(t.advantages, per_token[:, :2]) and torch.equal(t.last_values, experience.last_values)
     assert t.rollout.lengths.tolist() == [2, 1] and torch.equal(t.rollout.ended_with_eos, rollout.ended_with_eos)
+    assert (t.rollout.eos_ids, t.rollout.min_new_tokens) == ((3,), 2)  # how the rows were sampled travels along
