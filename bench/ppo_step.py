@@ -104,7 +104,7 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in measured) for k in (
         "perf/seconds_generate", "perf/seconds_weight_sync", "perf/seconds_logprobs_old", "perf/seconds_reference",
         "perf/seconds_values", "perf/seconds_reward", "perf/seconds_score", "perf/seconds_train", "perf/seconds_step",
-        "perf/tokens_per_second", "perf/rollout_share")}
+        "perf/tokens_per_second", "perf/rollout_share", "perf/mfu", "perf/mfu_train", "perf/padding_fraction")}
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"tether PPO step: {a.size} GPT-2 ({n_params / 1e6:.2f}M params per model), critic={a.critic}, "
           f"batch {a.batch_size} x 48 tokens, 4 epochs x 4 minibatches, {torch.get_num_threads()} threads")
