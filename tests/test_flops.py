@@ -71,7 +71,8 @@ def test_padding_fraction_by_hand_and_step_flops_add_up():
     shape = FlopShape(matmul_params=100, head_params=10, layers=2, width=4)
     t = Throughput(policy=shape, critic=None, value_head_params=20, peak=1.0, peak_source="test")
     out = step_flops(t, query_mask, response_mask.sum(dim=1), epochs_run=2, critic_only=False)
-    policy = (forward_flops(shape, 3, with_head=False) + 2 * 10 * 1) + (forward_flops(shape, 7, with_head=False) + 2 * 10 * 4)
+    policy = (forward_flops(shape, 3, with_head=False) + 2 * 10 * 1) \
+        + (forward_flops(shape, 7, with_head=False) + 2 * 10 * 4)
     head = 2 * 20 * (1 + 1) + 2 * 20 * (4 + 1)
     assert out["generate"] == generation_flops(shape, 2, 1) + generation_flops(shape, 3, 4)
     assert out["logprobs_old"] == out["reference"] == policy and out["values"] == head
