@@ -11,8 +11,7 @@ A forward over a sequence of S tokens computes the full S×S scores (c = S, the 
 after the matmul): 2·N·S + 4·L·d·S² — PaLM's model-FLOPs convention (Chowdhery et al. 2022, App. B:
 6N + 12·L·d·S per trained token). Generating with a KV cache, each new token attends to the c positions
 cached so far. A backward is twice its forward (Narayanan et al. 2021). These are *model* FLOPs: padding
-and recomputation are not counted, so work
-spent on them shows as a lower MFU (see ``perf/padding_fraction``).
+and recomputation are not counted, so work spent on them shows as a lower MFU (see ``perf/padding_fraction``).
 """
 
 from __future__ import annotations
