@@ -51,23 +51,55 @@ def restore(run, run_dir: Path) -> int:
     return int(state["step"])
 
 
-def start_in_place(run_dir: Path, resume: bool) -> bool:
-    """Whether the run resumes, from what ``run_dir`` holds (B14). A directory with a complete checkpoint
-    needs --resume; one without (a run killed before its first checkpoint) starts again at step 0, with
-    one line saying what it replaces, whether or not --resume was given. Returns the effective resume."""
-    has_checkpoint = bool(list_checkpoints(run_dir))
-    if has_checkpoint:
+def start_in_place(run_dir: Path, resume: bool) -> tuple[bool, str]:
+    """Whether the run resumes, from what ``run_dir`` holds (B14), and the line to print once the inputs
+    are checked. A directory with a complete checkpoint needs --resume; one without (a run killed before
+    its first checkpoint) starts again at step 0, saying what it replaces, whether or not --resume was given."""
+    if list_checkpoints(run_dir):
         if not resume:
             raise TetherError(f"--output-dir {run_dir}: already holds a run; use --resume to continue it "
                               f"or choose another directory")
-        return True
+        return True, ""
     metrics = run_dir / "metrics.jsonl"
-    if resume or metrics.exists():
-        rows = len([line for line in metrics.read_bytes().splitlines() if line.strip()]) if metrics.is_file() else 0
-        if os.environ.get("RANK", "0") == "0":  # one line, not one per process
-            print(f"tether ppo: {run_dir} has no complete checkpoint; starting from step 0 in place "
-                  f"(replacing {rows} metric rows)", file=sys.stderr)
-    return False
+    if not (resume or metrics.exists()):
+        return False, ""
+    rows = len([line for line in metrics.read_bytes().splitlines() if line.strip()]) if metrics.is_file() else 0
+    return False, (f"tether ppo: {run_dir} has no complete checkpoint; starting from step 0 in place "
+                   f"(replacing {rows} metric rows)")
+
+
+# What may change between a run and its --resume: how long it runs, how it logs and saves, what it watches.
+RESUMABLE_CHANGES = ("steps", "save_every", "save_every_minutes", "keep_checkpoints", "log_with", "tracker_project",
+                     "tensorboard", "progress", "eval.", "health.")
+
+
+def check_same_config(cfg, run_dir: Path) -> None:
+    """--resume continues the saved run exactly, so the settings that shape the training must be the saved
+    ones: the first difference is a one-line error."""
+    import yaml
+
+    from tether.config import config_to_dict
+
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = _flat_dict(yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {})
+    except (yaml.YAMLError, AttributeError):
+        raise TetherError(f"{saved_path}: not a readable config; cannot check --resume against it") from None
+    for key, value in _flat_dict(config_to_dict(cfg)).items():
+        if key.startswith(RESUMABLE_CHANGES) or key == "output_dir" or key not in saved:
+            continue
+        if saved[key] != value:
+            raise TetherError(f"--resume: {key} is {value!r} but the run in {run_dir} was made with {saved[key]!r} "
+                              f"(config.yaml); resume with the same settings or start a new --output-dir")
+
+
+def _flat_dict(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat_dict(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def checkpoint_due(run, cfg, step: int, last_save: float) -> bool:
@@ -140,10 +172,14 @@ def train(cfg, resume: bool = False) -> Path:
     from tether.ppo.setup import setup
 
     run_dir = Path(cfg.output_dir)
-    resume = start_in_place(run_dir, resume)
+    resume, note = start_in_place(run_dir, resume)
+    if resume:
+        check_same_config(cfg, run_dir)
     run = setup(cfg)
-    if run.processes.is_main:
+    if run.processes.is_main:  # the inputs are good: only now is anything in run_dir touched
         clean_temporary(run_dir)
+        if note:
+            print(note, file=sys.stderr)
     start = restore(run, run_dir) if resume else 0
     log = RunLog(run_dir, run.processes, cfg)
     monitor = HealthMonitor(cfg.health)
