@@ -5,6 +5,10 @@ A checkpoint ``DIR/checkpoints/step_000K/`` holds ``policy/`` (the LoRA adapter,
 saved by ``save_pretrained`` in safetensors), ``critic.safetensors``, and ``trainer_state.pt``
 (optimisers, schedulers, KL controller, reward normaliser, RNG states, data position, step), read back
 with ``torch.load(weights_only=True)``.
+
+Durability: every file of a checkpoint is fsync'd, then the folder, then (after the rename) its parent
+folder, so a power cut or kill -9 leaves either the previous checkpoint or the new one, never a
+half-written folder under the final name. No non-finite weight is ever written (:func:`check_finite`).
 """
 
 from __future__ import annotations
@@ -47,8 +51,56 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file or a folder's entries to disk (folders: where the OS allows opening them)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. folders on Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every folder, deepest first (files before the names)."""
+    folders = []
+    for folder, _, files in os.walk(root):
+        folders.append(Path(folder))
+        for name in files:
+            fsync_path(Path(folder) / name)
+    for folder in reversed(folders):
+        fsync_path(folder)
+
+
+def check_finite(model, what: str) -> None:
+    """Refuse to write weights holding NaN/Inf (B16): the caller keeps its last good checkpoint."""
+    from tether.errors import TetherError
+
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p.detach()).all():
+            raise TetherError(f"{what}: parameter {name} holds NaN/Inf; not saved (the last complete checkpoint "
+                              f"is kept)")
+
+
+def clean_temporary(run_dir: Path) -> None:
+    """Remove the temporary and replaced files and folders a killed process left in the run directory and
+    under ``checkpoints/`` (call it before anything is written: the names carry no owner but a pid)."""
+    for root in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        if root.is_dir():
+            for p in root.iterdir():
+                if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.name.startswith((".tmp-", ".old-")):
+                    p.unlink(missing_ok=True)
+
+
 def atomic_dir(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``target`` (replacing an older one)."""
+    """Call ``write(tmp_dir)``, fsync it, then rename ``tmp_dir`` to ``target`` (replacing an older one)
+    and fsync the parent folder so that the rename itself is durable."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
@@ -59,16 +111,20 @@ def atomic_dir(target: Path, write) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_tree(tmp)
     old = target.parent / f".old-{target.name}-{os.getpid()}"
     if target.exists():
         os.replace(target, old)
     os.replace(tmp, target)
+    fsync_path(target.parent)
     shutil.rmtree(old, ignore_errors=True)
     return target
 
 
 def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_state: dict, keep: int) -> Path:
-    """Write checkpoint ``step``; keep the ``keep`` newest."""
+    """Write checkpoint ``step``; keep the ``keep`` newest. Weights with NaN/Inf are refused (TetherError)."""
+    check_finite(policy_model, f"checkpoint step {step}: policy")
+    check_finite(critic, f"checkpoint step {step}: critic")
 
     def write(tmp: Path):
         policy_model.save_pretrained(tmp / "policy", safe_serialization=True)

@@ -5,6 +5,7 @@ dropout off, dtype names). Shared layer: imports torch and, lazily, transformers
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,3 +52,33 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+
+
+# Any of these in a model directory means a tokenizer was saved with it. Without one, transformers 5 still
+# builds a tokenizer (a GPT-2 one with a 1-token vocabulary) and a run would train on nonsense.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(path) -> None:
+    from tether.errors import TetherError
+
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise TetherError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.*); save the "
+                          f"tokenizer beside the model (tokenizer.save_pretrained)")
+
+
+def load_errors() -> tuple[type, ...]:
+    """What loading a broken model directory raises: missing or corrupt weights (safetensors), a config.json
+    that is not JSON, an unknown architecture."""
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, TypeError, KeyError, EnvironmentError, SafetensorError
+
+
+def load_failed(path, what: str, error: Exception):
+    """The one-line error for a directory that does not load (first line of the library's message)."""
+    from tether.errors import TetherError
+
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return TetherError(f"{path}: cannot load the {what} ({type(error).__name__}: {first[:200]})")

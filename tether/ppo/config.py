@@ -162,8 +162,11 @@ class RunConfig:
     steps: int = option(20, "total PPO steps of the run (--resume continues up to this)", low=1, flag="--steps")
     batch_size: int = option(16, "prompts (rollouts) per PPO step, per process", low=1, flag="--batch-size")
     seed: int = option(0, "random seed", flag="--seed")
-    save_every: int = option(0, "checkpoint every N steps (and at the end); 0 = only at the end", low=0,
+    save_every: int = option(0, "also checkpoint every N steps; 0 = by time only (--save-every-minutes)", low=0,
                              flag="--save-every")
+    save_every_minutes: float = option(10.0, "checkpoint after a step when this many minutes have passed since "
+                                       "the last checkpoint (a crash loses at most about this much); 0 = off",
+                                       low=0.0, flag="--save-every-minutes")
     keep_checkpoints: int = option(2, "newest checkpoints kept", low=1)
     log_with: list[str] = option([], "experiment trackers through accelerate (tensorboard, wandb, mlflow, comet_ml, "
                                  "aim, clearml, dvclive, swanlab, trackio, all); repeatable or a comma list",

@@ -44,7 +44,9 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
         scores_all.append(scores)
         if correct is not None:
             correct_all.append(correct)
-    metrics = {"eval/reward": float(torch.cat(scores_all).mean()), "eval/n": len(samples),
+    scores = torch.cat(scores_all)
+    scores = scores[torch.isfinite(scores)]  # rows a rule failed on or a NaN score are left out (B16)
+    metrics = {"eval/reward": float(scores.mean()) if len(scores) else float("nan"), "eval/n": len(samples),
                "eval/kl_sequence": sum(s["kl"] for s in samples) / len(samples)}
     if correct_all:
         metrics["eval/accuracy"] = float((torch.cat(correct_all) > 0.5).float().mean())

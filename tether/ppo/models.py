@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
-from tether.hf import DTYPES, disable_dropout, quiet_transformers
+from tether.hf import (DTYPES, check_tokenizer_files, disable_dropout, load_errors, load_failed,
+                       quiet_transformers)
 from tether.presets import resolve_model_path
 
 
@@ -24,7 +25,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     built from attention masks and the first EOS, never by searching for the pad id)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    check_tokenizer_files(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except load_errors() as e:
+        raise load_failed(path, "tokenizer", e) from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise TetherError(f"{path}: the tokenizer has neither a pad nor an EOS token")
@@ -39,7 +44,11 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: boo
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
                                                      trust_remote_code=trust_remote_code)
     except ValueError as e:  # e.g. an encoder or a sequence-classification checkpoint
-        raise TetherError(f"{path}: not a causal language model ({str(e).splitlines()[0]})") from None
+        if "Unrecognized configuration class" in str(e) or "Unrecognized model" in str(e):
+            raise TetherError(f"{path}: not a causal language model ({str(e).splitlines()[0][:200]})") from None
+        raise load_failed(path, "model", e) from None
+    except load_errors() as e:  # missing or corrupt weights, a config.json that is not JSON
+        raise load_failed(path, "model", e) from None
     disable_dropout(model)
     return model
 
@@ -165,8 +174,11 @@ def load_critic(cfg_critic, policy: Policy, tokenizer, default_backbone: Path | 
                           f"(use --critic head, or a critic built on the policy's tokenizer)")
     lora_r = cfg_critic.lora_r
     dtype = DTYPES[cfg_model.dtype] if lora_r and cfg_model is not None else torch.float32
-    with quiet_transformers():  # a reward-model directory has a score head AutoModel leaves out: expected
-        backbone = AutoModel.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        with quiet_transformers():  # a reward-model directory has a score head AutoModel leaves out: expected
+            backbone = AutoModel.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
+    except load_errors() as e:
+        raise load_failed(path, "critic model", e) from None
     disable_dropout(backbone)
     hidden_size = backbone.config.get_text_config().hidden_size
     if lora_r:

@@ -74,13 +74,17 @@ class Experience:
     rewards: torch.Tensor          # (B, T) r̃_t = −β·KL_t, plus the score on the last token (B5)
     advantages: torch.Tensor       # (B, T) Â_t, whitened when configured (B7, B8)
     returns: torch.Tensor          # (B, T) R_t = Â_t + V_old(s_t), before whitening (B7)
+    valid: torch.Tensor | None = None  # (B,) bool: False = row dropped from the update (non-finite, B16)
 
     def __len__(self) -> int:
         return len(self.rollout)
 
     @property
     def response_mask(self) -> torch.Tensor:
-        return self.rollout.response_mask
+        """(B, T) the tokens the losses average over: the rollout's mask, zero on dropped rows. The forward
+        passes keep using ``rollout.response_mask`` (the attention mask of what was generated)."""
+        mask = self.rollout.response_mask
+        return mask if self.valid is None else mask * self.valid[:, None].to(mask.dtype)
 
     def select(self, index: torch.Tensor) -> "Experience":
         return _select(self, index)
@@ -90,6 +94,6 @@ class Experience:
         in each, masked out of every loss)."""
         rollout = self.rollout.trimmed()
         width = rollout.response.shape[1]
-        per_token = {f.name: getattr(self, f.name)[:, :width] for f in fields(self)
-                     if f.name not in ("rollout", "last_values", "scores")}
-        return Experience(rollout=rollout, last_values=self.last_values, scores=self.scores, **per_token)
+        per_token = {f.name: v[:, :width] for f in fields(self)
+                     if isinstance(v := getattr(self, f.name), torch.Tensor) and v.dim() == 2}
+        return replace(self, rollout=rollout, **per_token)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -22,17 +23,40 @@ def write_jsonl(path: Path, row: dict) -> None:
 
 
 def read_jsonl_rows(path: Path) -> list[dict]:
-    """The rows of a JSONL file this run appended to (empty when the file does not exist)."""
+    """The rows of a JSONL file this run appended to (empty when the file does not exist). A last line that
+    is cut short (the process was killed mid-write) is dropped; a bad line before it is a one-line error."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = path.read_bytes().split(b"\n")
+    rows = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            rows.append(json.loads(raw.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            if i == len(lines) - 1:  # no newline after it: a write the kill cut short
+                break
+            raise TetherError(f"{path}: line {i + 1} is not a JSON row; the run's log is damaged "
+                              f"(remove that line to resume)") from None
+    return rows
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by a temporary file renamed over it: a kill leaves the old text or the new one."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop rows written after ``last_step`` (they are redone after a resume)."""
+    """Drop rows written after ``last_step`` (they are redone after a resume) and any cut-short last line."""
     rows = [row for row in read_jsonl_rows(path) if row.get("step", 0) <= last_step]
     if path.is_file():
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def tracker_names(cfg) -> list[str]:
@@ -91,11 +115,20 @@ class RunLog:
             if resumed_at is not None:
                 truncate_jsonl(self.metrics_path, resumed_at)
                 truncate_jsonl(self.alerts_path, resumed_at)
+            else:  # a fresh start in place (train() said what it replaces): no rows of the old run survive
+                self.clear_outputs()
             (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
             if self.trackers:
                 self.accelerator.init_trackers(cfg.tracker_project, config=_flat(config_to_dict(cfg)))
         return kept
+
+    def clear_outputs(self) -> None:
+        """Remove the metrics, alerts and samples of a run that never reached a checkpoint."""
+        for path in (self.metrics_path, self.alerts_path):
+            path.unlink(missing_ok=True)
+        for path in (self.run_dir / "samples").glob("step_*.jsonl"):
+            path.unlink()
 
     def metrics(self, row: dict) -> None:
         if not self.enabled:

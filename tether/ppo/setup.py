@@ -28,6 +28,7 @@ from tether.ppo.engines import Engine, make_engine
 from tether.ppo.models import Policy, ValueHead, load_critic, load_policy, load_tokenizer, same_vocabulary
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.prompts import PromptStream, load_prompts
+from tether.ppo.rollout import encode_prompts
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
 
 if TYPE_CHECKING:
@@ -249,6 +250,42 @@ def make_optimisation(cfg, policy: Policy, critic: nn.Module) -> Optimisation:
         kl_controller=make_kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon))
 
 
+def probe_rules(sources: list, rows: list[dict]) -> None:
+    """Call each rule once on a few prompts with empty replies, before anything is written, so that a rule
+    returning the wrong length or a non-number is a one-line error now rather than at step 1. A rule
+    that raises here is left to the step (it may just dislike empty replies; rows it fails on are dropped)."""
+    from tether.ppo.prompts import collate_fields
+    from tether.ppo.sources import RuleSource, call_rule
+
+    prompts = [r["prompt"] for r in rows]
+    for source in sources:
+        if isinstance(source, RuleSource) and prompts:
+            try:
+                call_rule(source.fn, prompts, [""] * len(prompts), collate_fields(rows), [True] * len(prompts))
+            except TetherError as e:
+                if "raised on every response" not in str(e):
+                    raise
+
+
+def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: list[dict]) -> None:
+    """Prompt (after --max-prompt-length) + --max-new-tokens must fit the policy's positions, else the
+    position embeddings are indexed past their end mid-run. Tokenises the prompts only when the
+    configured lengths could overflow."""
+    text_config = model_config.get_text_config()
+    context = getattr(text_config, "n_positions", None) or getattr(text_config, "max_position_embeddings", None)
+    g, d = cfg.generation, cfg.data
+    if not context or d.max_prompt_length + g.max_new_tokens <= context:
+        return
+    for row in rows:
+        query, _ = encode_prompts(tokenizer, [row["prompt"]], d.max_prompt_length, use_chat_template,
+                                  d.system_prompt, d.prompt_template)
+        if query.shape[1] + g.max_new_tokens > context:
+            raise TetherError(f"--prompts {cfg.data.prompts}: prompt {row['prompt'][:40]!r}... is {query.shape[1]} "
+                              f"tokens (data.max_prompt_length {d.max_prompt_length}) + --max-new-tokens "
+                              f"{g.max_new_tokens} > the policy's context of {context} positions; lower "
+                              f"data.max_prompt_length or --max-new-tokens")
+
+
 def setup(cfg) -> Run:
     from transformers.utils import logging as hf_logging
 
@@ -259,9 +296,11 @@ def setup(cfg) -> Run:
     train_rows, eval_rows = load_prompt_sets(cfg)
     policy, tokenizer, policy_path = load_policy(cfg.model)
     sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device)
+    probe_rules(sources, train_rows[:4])
     critic = load_critic(cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path),
                          cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
+    check_context(cfg, tokenizer, use_chat_template, policy.model.config, train_rows + eval_rows)
     optim = make_optimisation(cfg, policy, critic)
 
     accelerator = processes.accelerator

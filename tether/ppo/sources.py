@@ -77,22 +77,62 @@ def with_eos_field(fields: dict[str, list], ended_with_eos=None) -> dict[str, li
     return {**fields, EOS_FIELD: [bool(f) for f in flags]}
 
 
+def _rule_name(fn) -> str:
+    return getattr(fn, "__name__", str(fn))
+
+
+def _numbers(fn, out, n: int) -> list[float]:
+    """The rule's output as ``n`` floats (NaN/Inf kept: the PPO step drops those rows, B16); a wrong length
+    or a value that is not a number is a one-line error (a bug in the rule, not in one row)."""
+    try:
+        out = list(out)
+    except TypeError:
+        raise TetherError(f"rule {_rule_name(fn)}: returned {type(out).__name__}, not a list of numbers") from None
+    if len(out) != n:
+        raise TetherError(f"rule {_rule_name(fn)}: returned {len(out)} scores for {n} responses")
+    values = []
+    for v in out:
+        if isinstance(v, (str, bytes)) or v is None:
+            raise TetherError(f"rule {_rule_name(fn)}: returned {v!r} ({type(v).__name__}), not a number")
+        try:
+            values.append(float(v))
+        except (TypeError, ValueError):
+            raise TetherError(f"rule {_rule_name(fn)}: returned {v!r} ({type(v).__name__}), not a number") from None
+    return values
+
+
 def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: dict[str, list],
-              ended_with_eos=None) -> torch.Tensor:
+              ended_with_eos=None, errors: dict | None = None) -> torch.Tensor:
     """Call a rule with the prompt rows' other columns as keyword lists, plus ``ended_with_eos`` when given
-    (only the keywords it accepts, unless it takes ``**fields``); check it returned one finite number per
-    response."""
+    (only the keywords it accepts, unless it takes ``**fields``); check it returned one number per response.
+
+    A rule that raises on the batch is called again row by row: rows that still raise score NaN (the PPO
+    step drops them, B16) and ``errors`` (when given) gets ``{row: "ExcType: message"}``; a rule that raises
+    on every row is a one-line error. Non-finite scores are returned as they are."""
     fields = with_eos_field(fields, ended_with_eos)
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         fields = {k: v for k, v in fields.items() if k in params}
-    out = fn(prompts, responses, **fields)
-    values = [float(v) for v in out]
-    if len(values) != len(responses):
-        raise TetherError(f"rule {getattr(fn, '__name__', fn)}: returned {len(values)} scores for "
-                          f"{len(responses)} responses")
-    if not all(math.isfinite(v) for v in values):
-        raise TetherError(f"rule {getattr(fn, '__name__', fn)}: returned a non-finite score")
+    try:
+        return torch.tensor(_numbers(fn, fn(prompts, responses, **fields), len(responses)), dtype=torch.float32)
+    except TetherError:
+        raise
+    except Exception:  # noqa: BLE001 - a rule is user code: isolate the rows it fails on
+        pass
+    values, failed = [], {}
+    for i in range(len(responses)):
+        try:
+            out = fn(prompts[i:i + 1], responses[i:i + 1], **{k: v[i:i + 1] for k, v in fields.items()})
+            values += _numbers(fn, out, 1)
+        except TetherError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            values.append(math.nan)
+            failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    if len(failed) == len(responses):
+        raise TetherError(f"rule {_rule_name(fn)}: raised on every response ({failed[0]})")
+    if errors is not None:
+        errors.update(failed)
     return torch.tensor(values, dtype=torch.float32)
 
 
@@ -100,9 +140,11 @@ class RuleSource:
     def __init__(self, spec: str):
         self.name = spec
         self.fn = load_rule(spec)
+        self.errors: dict[int, str] = {}  # the rows of the last call that raised (named in the step's alert)
 
     def __call__(self, prompts, responses, fields) -> torch.Tensor:
-        return call_rule(self.fn, prompts, responses, fields)
+        self.errors = {}
+        return call_rule(self.fn, prompts, responses, fields, errors=self.errors)
 
 
 class RewardModelSource:
@@ -161,23 +203,28 @@ class RunningMoments:
 
 
 def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos: torch.Tensor, cfg,
-                       running: RunningMoments | None = None, gather=None) -> torch.Tensor:
+                       running: RunningMoments | None = None, valid: torch.Tensor | None = None,
+                       gather=None) -> torch.Tensor:
     """B4 on (B,) raw scores: r − α·len − p·[no EOS], then z-score (batch or running), then clip to ±c.
 
-    ``cfg`` is a ``RewardConfig``; ``lengths`` (B,) response tokens; ``ended_with_eos`` (B,) bool.
-    ``gather`` maps this process's (B,) scores to every process's (W·B,): the batch statistics and the
-    running moments are then those of the whole batch, the same on every process."""
+    ``cfg`` is a ``RewardConfig``; ``lengths`` (B,) response tokens; ``ended_with_eos`` (B,) bool;
+    ``valid`` (B,) bool: rows dropped from the update (B16) are left out of the normalisation statistics
+    and score 0. ``gather`` maps this process's (B,) tensor to every process's (W·B,): the batch statistics
+    and the running moments are then those of the whole batch, the same on every process."""
+    valid = torch.ones_like(raw, dtype=torch.bool) if valid is None else valid
     scores = raw - cfg.length_penalty * lengths.float()
     scores = scores - cfg.missing_eos_penalty * (~ended_with_eos).float()
-    pool = gather(scores) if gather is not None else scores
-    if cfg.normalize == "batch":
-        scores = (scores - pool.mean()) / (pool.std(unbiased=False) + 1e-8)
+    gather = gather or (lambda x: x)
+    # A dropped row may hold NaN: zero it before it travels, then keep only the valid rows of all processes.
+    kept = gather(torch.where(valid, scores, 0.0))[gather(valid.to(torch.uint8)).bool()]
+    if cfg.normalize == "batch" and len(kept):
+        scores = (scores - kept.mean()) / (kept.std(unbiased=False) + 1e-8)
     elif cfg.normalize == "running":
-        running.update(pool)
+        running.update(kept)
         scores = (scores - running.mean) / (running.std + 1e-8)
     if cfg.clip > 0:
         scores = scores.clamp(-cfg.clip, cfg.clip)
-    return scores
+    return torch.where(valid, scores, 0.0)
 
 
 def score_responses(sources: list, prompts: list[str], responses: list[str], fields: dict,

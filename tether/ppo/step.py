@@ -15,6 +15,7 @@ step 7), which the epoch loop only reads. The run loop around it is :mod:`tether
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -106,8 +107,18 @@ def ppo_step(run, cfg, step: int) -> dict:
         timer.split("values")
         # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5).
         scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
+        # B16: a row with a non-finite score, log-prob or value leaves this step's update (mask zeroed).
+        valid, notes = finite_rows(d.sources, scores_raw, (logprobs_old, logprobs_ref, values_all[:, :-1]), mask)
+        if not valid.all():
+            keep = valid[:, None]
+            mask = mask * keep
+            logprobs_old, logprobs_ref, entropy = (torch.where(keep, x, 0.0) for x in (logprobs_old, logprobs_ref,
+                                                                                         entropy))
+            values_old = torch.where(keep, values_old, 0.0)
+            last_values = torch.where(valid, last_values, 0.0)
+            scores_raw = torch.where(valid, scores_raw, 0.0)
         scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores,
-                                    gather=p.all_gather)  # statistics over all processes' rows
+                                    valid, gather=p.all_gather)  # statistics over all processes' kept rows
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * mask  # (B, T)
         rewards = shaped_rewards(scores, kl, o.kl_controller.value, mask)
         # 6. GAE (B7). Returns use the un-whitened advantages.
@@ -118,11 +129,14 @@ def ppo_step(run, cfg, step: int) -> dict:
         timer.split("reward")  # steps 5-7: reward sources, per-token rewards, GAE, whitening
     experience = Experience(rollout=rollout, logprobs_old=logprobs_old, logprobs_ref=logprobs_ref,
                             values_old=values_old, last_values=last_values, scores=scores, kl=kl,
-                            rewards=rewards, advantages=advantages, returns=returns)
+                            rewards=rewards, advantages=advantages, returns=returns, valid=valid)
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     with timer("train"), torch.enable_grad():
-        train_stats, epochs_run = ppo_epochs(run, cfg, experience, step)
+        if p.global_sum(valid.sum()) > 0:
+            train_stats, epochs_run = ppo_epochs(run, cfg, experience, step)
+        else:  # every row dropped: no update at all (an optimizer step on zero gradients still moves Adam)
+            train_stats, epochs_run = {"health/skipped_updates": 0, "ppo/updates": 0}, 0
 
     # 10. KL controller (B11) on this step's mean per-token KL to the reference.
     kl_mean = p.global_mean(masked_mean(kl, mask))
@@ -130,9 +144,9 @@ def ppo_step(run, cfg, step: int) -> dict:
     o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
     return {
-        "objective/scores": p.global_mean(scores.mean()),
-        "objective/scores_raw": p.global_mean(scores_raw.mean()),
-        "objective/rlhf_reward": p.global_mean(rewards.sum(dim=1).mean()),
+        "objective/scores": p.global_mean(masked_mean(scores, valid)),
+        "objective/scores_raw": p.global_mean(masked_mean(scores_raw, valid)),
+        "objective/rlhf_reward": p.global_mean(masked_mean(rewards.sum(dim=1), valid)),
         "objective/kl": kl_mean,
         "objective/kl_max": p.global_max(kl[mask.bool()].max() if mask.any() else kl.new_zeros(())),
         "objective/kl_sequence": p.global_mean(kl.sum(dim=1).mean()),
@@ -145,7 +159,27 @@ def ppo_step(run, cfg, step: int) -> dict:
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
+        "health/dropped_rows": p.global_sum((~valid).sum().float()),
+        "health/notes": notes,  # alert lines, popped by the run loop (not a metric)
     }
+
+
+def finite_rows(sources: list, scores_raw: torch.Tensor, per_token: tuple, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, list[str]]:
+    """(B,) bool: rows whose score and whose per-token tensors (on their valid tokens) are all finite (B16),
+    and one alert line naming the dropped rows and why (a rule that raised says so)."""
+    score_ok = torch.isfinite(scores_raw)
+    token_ok = torch.stack([(torch.isfinite(x) | (mask == 0)).all(dim=1) for x in per_token]).all(dim=0)
+    valid = score_ok & token_ok
+    if valid.all():
+        return valid, []
+    errors = {}
+    for source in sources:
+        errors.update({i: f"{source.name} raised {e}" for i, e in getattr(source, "errors", {}).items()})
+    reasons = [f"row {i}: " + (errors.get(i) or ("non-finite score" if not score_ok[i] else
+                                                 "non-finite log-prob or value"))
+               for i in (~valid).nonzero().flatten().tolist()]
+    return valid, [f"dropped {len(reasons)} of {len(valid)} rows from the update (" + "; ".join(reasons) + ")"]
 
 
 def value_metrics(p, values_old: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -200,7 +234,7 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
     p, m = run.processes, run.models
     critic_only = step <= cfg.critic.warmup_steps
     sums: dict[str, float] = {}
-    counts = 0
+    counts = skipped = 0
     ratio_max = 0.0
     epochs_run = 0
     # A per-step generator makes the minibatch order independent of everything else (exact resume).
@@ -230,16 +264,25 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
                 ratio_max = max(ratio_max, stats.pop("ratio_max", 0.0))
                 for k, v in stats.items():
                     stats_mb[k] = stats_mb.get(k, 0.0) + v * weight.item()
-            stats_mb.update(clip_and_step(run.optim, cfg, critic_only))
+            # B16: a NaN loss can still give finite (zero) gradients (clamp passes none through NaN), and
+            # Adam would then move the weights on its momentum alone: every process checks its losses.
+            finite = float(all(map(math.isfinite, stats_mb.values())))
+            losses_ok = p.global_sum(torch.tensor(finite)) == p.world_size
+            step_stats = clip_and_step(run.optim, cfg, critic_only) if losses_ok else None
+            if step_stats is None:  # non-finite loss or gradient norm: no update, its stats left out of the means
+                skipped += 1
+                continue
+            stats_mb.update(step_stats)
             for k, v in stats_mb.items():
                 sums[k] = sums.get(k, 0.0) + v
             counts += 1
             epoch_kl.append(stats_mb.get("policy/approx_kl", 0.0))
         epochs_run += 1
-        approx_kl = p.global_mean(torch.tensor(sum(epoch_kl) / len(epoch_kl)))
+        approx_kl = p.global_mean(torch.tensor(sum(epoch_kl) / max(len(epoch_kl), 1)))
         if cfg.ppo.early_stop and not critic_only and approx_kl > cfg.ppo.early_stop_factor * cfg.kl.target:
             break
     out = {k: p.global_mean(torch.tensor(v / counts)) for k, v in sums.items()}
+    out.update({"health/skipped_updates": skipped, "ppo/updates": counts})
     if not critic_only:
         out["policy/ratio_max"] = p.global_max(torch.tensor(ratio_max))
     return out, epochs_run
@@ -272,17 +315,22 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
     return stats
 
 
-def clip_and_step(optim, cfg, critic_only: bool) -> dict:
-    """Clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs.
+def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:
+    """Clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs, or None
+    when a gradient norm is NaN/Inf (B16): then nothing steps, so no NaN reaches the weights or Adam's
+    moments. The norms are of the synchronised gradients, so every process makes the same choice.
     ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
     max_norm = cfg.optim.max_grad_norm or float("inf")
     out = {}
     if not critic_only:
         out["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
+    out["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
+    if not all(math.isfinite(v) for v in out.values()):
+        return None
+    if not critic_only:
         optim.policy_optimizer.step()
         optim.policy_scheduler.step()
         out["policy/lr"] = optim.policy_scheduler.get_last_lr()[0]
-    out["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
     optim.critic_optimizer.step()
     optim.critic_scheduler.step()
     out["value/lr"] = optim.critic_scheduler.get_last_lr()[0]

@@ -9,11 +9,15 @@ model directory, LoRA merged). What is written, and by which process, is :class:
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 
-from tether.checkpoint import atomic_dir, list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tether.checkpoint import (atomic_dir, check_finite, clean_temporary, list_checkpoints, load_checkpoint, rng_state,
+                               save_checkpoint, set_rng_state)
 from tether.errors import TetherError
 from tether.ppo.evaluate import evaluate
 from tether.ppo.runlog import RunLog
@@ -68,9 +72,87 @@ def restore(run, run_dir: Path) -> int:
     return int(state["step"])
 
 
+def start_in_place(run_dir: Path, resume: bool) -> tuple[bool, str]:
+    """Whether the run resumes, from what ``run_dir`` holds (B14), and the line to print once the inputs
+    are checked. A directory with a complete checkpoint needs --resume; one without (a run killed before
+    its first checkpoint) starts again at step 0, saying what it replaces, whether or not --resume was given."""
+    if list_checkpoints(run_dir):
+        if not resume:
+            raise TetherError(f"--output-dir {run_dir}: already holds a run; use --resume to continue it "
+                              f"or choose another directory")
+        return True, ""
+    metrics = run_dir / "metrics.jsonl"
+    if not (resume or metrics.exists()):
+        return False, ""
+    rows = len([line for line in metrics.read_bytes().splitlines() if line.strip()]) if metrics.is_file() else 0
+    return False, (f"tether ppo: {run_dir} has no complete checkpoint; starting from step 0 in place "
+                   f"(replacing {rows} metric rows)")
+
+
+# What may change between a run and its --resume: how long it runs, how it logs and saves, what it watches.
+RESUMABLE_CHANGES = ("steps", "save_every", "save_every_minutes", "keep_checkpoints", "log_with", "tracker_project",
+                     "tensorboard", "progress", "eval.", "health.")
+
+
+def check_same_config(cfg, run_dir: Path) -> None:
+    """--resume continues the saved run exactly, so the settings that shape the training must be the saved
+    ones: the first difference is a one-line error."""
+    import yaml
+
+    from tether.config import config_to_dict
+
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = _flat_dict(yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {})
+    except (yaml.YAMLError, AttributeError):
+        raise TetherError(f"{saved_path}: not a readable config; cannot check --resume against it") from None
+    for key, value in _flat_dict(config_to_dict(cfg)).items():
+        if key.startswith(RESUMABLE_CHANGES) or key == "output_dir" or key not in saved:
+            continue
+        if saved[key] != value:
+            raise TetherError(f"--resume: {key} is {value!r} but the run in {run_dir} was made with {saved[key]!r} "
+                              f"(config.yaml); resume with the same settings or start a new --output-dir")
+
+
+def _flat_dict(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat_dict(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def checkpoint_due(run, cfg, step: int, last_save: float) -> bool:
+    """Save after this step? Every ``save_every`` steps, once ``save_every_minutes`` have passed since the
+    last save, and at the end. The main process's clock decides for all (ranks must save together)."""
+    due = step == cfg.steps or bool(cfg.save_every and step % cfg.save_every == 0) or bool(
+        cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes)
+    if run.processes.world_size > 1:
+        flag = [due]
+        torch.distributed.broadcast_object_list(flag, src=0)
+        due = flag[0]
+    return due
+
+
+def note_non_finite(log: RunLog, step: int, notes: list[str], streak: int, limit: int) -> int:
+    """Alert lines for rows dropped and updates skipped (B16); returns the new streak of steps with no
+    applied update, and stops the run (one-line error) when it reaches ``limit``."""
+    for note in notes:
+        log.alert(step, note)
+    if streak >= limit:
+        log.close()
+        raise TetherError(f"step {step}: {streak} consecutive steps skipped every optimizer update (non-finite "
+                          f"loss or gradient norm; health.max_skipped_steps={limit}); stopped. The weights of the "
+                          f"last complete checkpoint are intact; alerts.jsonl names the bad rows")
+    return streak
+
+
 def export_policy(run, run_dir: Path) -> Path:
-    """The final policy as a plain Hugging Face directory (LoRA merged into a copy), with its tokenizer."""
+    """The final policy as a plain Hugging Face directory (LoRA merged into a copy), with its tokenizer.
+    Refused (one-line error) if a weight is NaN/Inf."""
     model = run.models.unwrapped_policy
+    check_finite(model, f"{run_dir / 'policy'}")
 
     def write(tmp: Path):
         if hasattr(model, "peft_config"):
@@ -113,10 +195,14 @@ def train(cfg, resume: bool = False) -> Path:
     from tether.ppo.setup import setup
 
     run_dir = Path(cfg.output_dir)
-    if not resume and ((run_dir / "metrics.jsonl").exists() or list_checkpoints(run_dir)):
-        raise TetherError(f"--output-dir {run_dir}: already holds a run; use --resume to continue it "
-                          f"or choose another directory")
+    resume, note = start_in_place(run_dir, resume)
+    if resume:
+        check_same_config(cfg, run_dir)
     run = setup(cfg)
+    if run.processes.is_main:  # the inputs are good: only now is anything in run_dir touched
+        clean_temporary(run_dir)
+        if note:
+            print(note, file=sys.stderr)
     start = restore(run, run_dir) if resume else 0
     log = RunLog(run_dir, run.processes, cfg)
     monitor = HealthMonitor(cfg.health)
@@ -126,10 +212,13 @@ def train(cfg, resume: bool = False) -> Path:
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="ppo", initial=start, total=cfg.steps,
                disable=not (cfg.progress and run.processes.is_main), dynamic_ncols=True)
     stopped_by_alarm = False
+    last_save, skip_streak = time.monotonic(), 0
     if cfg.eval.every and cfg.eval.at_start and start == 0:
         log.metrics({"step": 0, **evaluate_and_log(run, cfg, log, 0)})
     for step in bar:
         metrics = ppo_step(run, cfg, step)
+        notes = metrics.pop("health/notes", [])
+        skip_streak = skip_streak + 1 if metrics["ppo/updates"] == 0 else 0
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
             metrics.update(evaluate_and_log(run, cfg, log, step))
         row = {"step": step, **metrics}
@@ -137,10 +226,12 @@ def train(cfg, resume: bool = False) -> Path:
         log.metrics(row)
         for alert in alerts:
             log.alert(step, alert)
+        note_non_finite(log, step, notes, skip_streak, cfg.health.max_skipped_steps)
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.4f}",
                         beta=f"{row['objective/kl_coef']:.3g}")
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+        if checkpoint_due(run, cfg, step, last_save):
             saved = checkpoint(run, cfg, run_dir, step)
+            last_save = time.monotonic()
             if saved is not None and monitor.healthy:
                 healthy_checkpoints.append((step, saved))
         # The main process decides (only it has the evaluation metrics the gold band reads), every process follows.

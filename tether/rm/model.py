@@ -32,7 +32,7 @@ import torch
 
 from tether.data import transcript_messages
 from tether.errors import TetherError
-from tether.hf import quiet_transformers
+from tether.hf import check_tokenizer_files, load_errors, quiet_transformers
 
 METADATA_FILE = "tether_reward.json"
 FORMAT_VERSION = 1
@@ -201,6 +201,7 @@ def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(path)
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -226,7 +227,7 @@ def load_sequence_classifier(path: str | Path, *, dtype: torch.dtype | str | Non
                 str(path), dtype=dtype, output_loading_info=True, **kwargs)
     except ValueError as e:
         raise TetherError(f"{path}: cannot load as a sequence classifier ({str(e).splitlines()[0]})") from None
-    except OSError as e:
+    except load_errors() as e:  # missing or corrupt weights (safetensors), a config.json that is not JSON
         raise TetherError(f"{path}: cannot load model weights ({str(e).splitlines()[0]})") from None
     if model.config.num_labels != 1:
         raise TetherError(f"{path}: a reward model has one output, this one has {model.config.num_labels}")

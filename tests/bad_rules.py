@@ -1,0 +1,46 @@
+"""Rules that misbehave, for the B16 and bad-input tests (named ``bad_rules:NAME`` as --reward)."""
+
+import math
+
+
+def _index(prompts):
+    # Deterministic per prompt text, so a straight run and a resumed one see the same bad rows.
+    return [sum(map(ord, p)) for p in prompts]
+
+
+def nan_some(prompts, responses):
+    return [math.nan if i % 3 == 0 else len(r) / 10 for i, r in zip(_index(prompts), responses)]
+
+
+def inf_some(prompts, responses):
+    return [(math.inf if i % 2 else -math.inf) if i % 3 == 0 else len(r) / 10
+            for i, r in zip(_index(prompts), responses)]
+
+
+def raises_some(prompts, responses):
+    if any(i % 3 == 0 for i in _index(prompts)):
+        raise ValueError("cannot parse this reply")
+    return [len(r) / 10 for r in responses]
+
+
+def all_nan(prompts, responses):
+    return [math.nan] * len(responses)
+
+
+def raises_always(prompts, responses):
+    raise KeyError("answer")
+
+
+def strings(prompts, responses):
+    return ["good"] * len(responses)
+
+
+def wrong_length(prompts, responses):
+    return [1.0] * (len(responses) + 1)
+
+
+def not_a_list(prompts, responses):
+    return 3.0
+
+
+not_callable = 3
