@@ -3,7 +3,6 @@ and leaves earlier outputs as they were (SPEC F). One table: config files, data 
 directories, rule specs, prompts longer than the context, --resume against different settings."""
 
 import json
-import shutil
 
 import pytest
 from bad_inputs import build

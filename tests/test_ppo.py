@@ -3,10 +3,10 @@ disabled, masks and bootstrap, frozen advantages, parameter updates, early stop,
 a toy reward that rises."""
 
 import copy
+import json
 import os
 import subprocess
 import sys
-import json
 from pathlib import Path
 
 import pytest

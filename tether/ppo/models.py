@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
-from tether.hf import (DTYPES, check_tokenizer_files, disable_dropout, load_errors, load_failed,
-                       quiet_transformers)
+from tether.hf import DTYPES, check_tokenizer_files, disable_dropout, load_errors, load_failed, quiet_transformers
 from tether.presets import resolve_model_path
 
 

@@ -109,14 +109,8 @@ def ppo_step(run, cfg, step: int) -> dict:
         scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
         # B16: a row with a non-finite score, log-prob or value leaves this step's update (mask zeroed).
         valid, notes = finite_rows(d.sources, scores_raw, (logprobs_old, logprobs_ref, values_all[:, :-1]), mask)
-        if not valid.all():
-            keep = valid[:, None]
-            mask = mask * keep
-            logprobs_old, logprobs_ref, entropy = (torch.where(keep, x, 0.0) for x in (logprobs_old, logprobs_ref,
-                                                                                         entropy))
-            values_old = torch.where(keep, values_old, 0.0)
-            last_values = torch.where(valid, last_values, 0.0)
-            scores_raw = torch.where(valid, scores_raw, 0.0)
+        mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw = zero_rows(
+            valid, mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw)
         scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores,
                                     valid, gather=p.all_gather)  # statistics over all processes' kept rows
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * mask  # (B, T)
@@ -144,13 +138,7 @@ def ppo_step(run, cfg, step: int) -> dict:
     o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
     return {
-        "objective/scores": p.global_mean(masked_mean(scores, valid)),
-        "objective/scores_raw": p.global_mean(masked_mean(scores_raw, valid)),
-        "objective/rlhf_reward": p.global_mean(masked_mean(rewards.sum(dim=1), valid)),
-        "objective/kl": kl_mean,
-        "objective/kl_max": p.global_max(kl[mask.bool()].max() if mask.any() else kl.new_zeros(())),
-        "objective/kl_sequence": p.global_mean(kl.sum(dim=1).mean()),
-        "objective/kl_coef": beta_used,
+        **objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean, beta_used),
         **train_stats,
         "policy/entropy": p.global_mean(masked_mean(entropy, mask)),
         **value_metrics(p, values_old, returns, mask),
@@ -162,6 +150,22 @@ def ppo_step(run, cfg, step: int) -> dict:
         "health/dropped_rows": p.global_sum((~valid).sum().float()),
         "health/notes": notes,  # alert lines, popped by the run loop (not a metric)
     }
+
+
+def zero_rows(valid: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor (B, ...) with the rows where ``valid`` (B,) is False set to 0 (a NaN row becomes 0 too)."""
+    return tuple(torch.where(valid.view(-1, *[1] * (t.dim() - 1)), t, 0.0) for t in tensors)
+
+
+def objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean: float, beta: float) -> dict:
+    """Scores and KL over the kept rows of all processes (B12); ``beta`` is the coefficient this step used."""
+    return {"objective/scores": p.global_mean(masked_mean(scores, valid)),
+            "objective/scores_raw": p.global_mean(masked_mean(scores_raw, valid)),
+            "objective/rlhf_reward": p.global_mean(masked_mean(rewards.sum(dim=1), valid)),
+            "objective/kl": kl_mean,
+            "objective/kl_max": p.global_max(kl[mask.bool()].max() if mask.any() else kl.new_zeros(())),
+            "objective/kl_sequence": p.global_mean(kl.sum(dim=1).mean()),
+            "objective/kl_coef": beta}
 
 
 def finite_rows(sources: list, scores_raw: torch.Tensor, per_token: tuple, mask: torch.Tensor

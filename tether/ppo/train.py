@@ -9,15 +9,22 @@ model directory, LoRA merged). What is written, and by which process, is :class:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tether.checkpoint import (atomic_dir, check_finite, clean_temporary, list_checkpoints, load_checkpoint, rng_state,
-                               save_checkpoint, set_rng_state)
+from tether.checkpoint import (
+    atomic_dir,
+    check_finite,
+    clean_temporary,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from tether.errors import TetherError
 from tether.ppo.evaluate import evaluate
 from tether.ppo.runlog import RunLog
