@@ -28,6 +28,7 @@ from tether.core.stats import explained_variance, repetition_counts
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
 from tether.ppo.rollout import critic_values, encode_prompts, forward_response, generate
+from tether.ppo.sharding import gathered, grad_norm_value
 from tether.ppo.sources import postprocess_scores, score_responses
 
 
@@ -46,14 +47,16 @@ class PhaseTimer:
 
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
     """Encode prompts, sample responses with the (unwrapped) policy, decode the valid response tokens.
-    ``models``: :class:`~tether.ppo.setup.Models`."""
+    ``models``: :class:`~tether.ppo.setup.Models`. A sharded policy is gathered once for the whole generation
+    (collective: every process calls this)."""
     query, query_mask = encode_prompts(models.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
                                        models.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
     g = cfg.generation
     device = models.unwrapped_policy.device
-    rollout = generate(models.unwrapped_policy, models.tokenizer, query.to(device), query_mask.to(device),
-                       g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy,
-                       min_new_tokens=0 if greedy else g.min_new_tokens)
+    with gathered(models.unwrapped_policy, models.fsdp):
+        rollout = generate(models.unwrapped_policy, models.tokenizer, query.to(device), query_mask.to(device),
+                           g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=greedy,
+                           min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
                                           skip_special_tokens=True)
     return rollout, texts
@@ -228,15 +231,15 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
 
 def clip_and_step(optim, cfg, critic_only: bool) -> dict:
     """Clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs.
-    ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
+    ``optim``: :class:`~tether.ppo.setup.Optimisation`. Under FSDP2 the norm is over all processes' shards."""
     max_norm = cfg.optim.max_grad_norm or float("inf")
     out = {}
     if not critic_only:
-        out["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
+        out["policy/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
         optim.policy_optimizer.step()
         optim.policy_scheduler.step()
         out["policy/lr"] = optim.policy_scheduler.get_last_lr()[0]
-    out["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
+    out["value/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
     optim.critic_optimizer.step()
     optim.critic_scheduler.step()
     out["value/lr"] = optim.critic_scheduler.get_last_lr()[0]
