@@ -70,6 +70,12 @@ def shard(model: nn.Module, settings: FsdpSettings, device: torch.device) -> nn.
     # FSDP2 warns that a view returned by a wrapped module loses its pre-backward hook under in-place ops;
     # tether never modifies model outputs in place (masks multiply out of place).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    # Each process seeds its own RNG (they sample different responses), so randomly initialised weights (the
+    # value head, LoRA adapters) differ between processes: take process 0's, as DDP does when it wraps.
+    if torch.distributed.is_initialized():
+        with torch.no_grad():
+            for tensor in [p for p in model.parameters() if p.requires_grad] + list(model.buffers()):
+                torch.distributed.broadcast(tensor.data, src=0)
     names = _block_class_names(model)
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     for block in blocks:
