@@ -87,6 +87,11 @@ def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_stat
 def save_pretrained(model, directory: Path, state_dict: dict | None = None) -> None:
     """``model.save_pretrained`` in safetensors, from ``state_dict`` when given. A sharded model's class is
     FSDP2's subclass (``FSDPGPT2LMHeadModel``): config.json names the plain class, which loaders expect."""
+    if state_dict is not None:
+        # A gathered state dict holds tied weights (lm_head = embeddings) as separate copies; the file the
+        # model writes itself leaves the tied target out.
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        state_dict = {k: v for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
     kwargs = {} if state_dict is None else {"state_dict": state_dict}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     config_file = Path(directory) / "config.json"
