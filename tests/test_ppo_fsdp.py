@@ -85,14 +85,15 @@ def weights_initial(files) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_fsdp2_resume_equals_the_straight_run_and_exports_a_plain_model(files, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_resume_equals_the_straight_run_and_exports_a_plain_model(files, tmp_path, lora):
     """A sharded run with a separate (sharded) critic, stopped at step 2 and resumed to 4, equals the
     straight 4-step run: weights and optimiser states go through full state dicts written by process 0 and
-    re-sharded on load. Its final policy loads with plain transformers and generates."""
+    re-sharded on load. Its final policy (LoRA: merged) loads with plain transformers and generates."""
     from transformers import AutoModelForCausalLM
 
     extra = ["--save-every", "2", "--reward-normalize", "running", "--critic", "separate",
-             "--critic-model", str(files[0])]
+             "--critic-model", str(files[0]), *(["--lora-r", "4"] if lora else [])]
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch("fsdp2.yaml", args(files, straight, 4, *extra))
     launch("fsdp2.yaml", args(files, split, 2, *extra))

@@ -80,14 +80,18 @@ def shard(model: nn.Module, settings: FsdpSettings, device: torch.device) -> nn.
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     for block in blocks:
         fully_shard(block, reshard_after_forward=settings.reshard_after_forward)
-    fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
+    # A peft model generates through its base model's generate (bypassing its own forward): the root must be
+    # the base model, the module every forward and every generation enters first.
+    root = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    fully_shard(root, reshard_after_forward=settings.reshard_after_forward)
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules inside ``model``, the root first (pre-order)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
@@ -95,15 +99,13 @@ def gathered(model: nn.Module, settings: FsdpSettings | None):
     """All of ``model``'s parameters gathered once, for a generation: sharded, every decoding step would
     all-gather every block again (one all-gather per layer per token). Costs the full weights on every
     process for the duration. Collective: every process enters it. No-op for an unsharded model."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = fsdp_units(model)
     # Re-entrant: evaluation gathers on every process, then the main process's rollout_batch gathers again.
     if settings is None or not units or getattr(model, "_tether_gathered", False):
         yield
         return
     model._tether_gathered = True
-    inner = [m for m in units if m is not model]  # the root never reshards after forward (FSDP2's rule)
+    inner = units[1:]  # the root never reshards after forward (FSDP2's rule)
     for m in inner:
         m.set_reshard_after_forward(False, recurse=False)
     for m in units:
@@ -122,8 +124,8 @@ def set_gradient_sync(models: list[nn.Module], sync: bool) -> None:
     """Accumulate gradients locally (``sync`` False) or reduce-scatter them at this backward (True): FSDP2's
     ``no_sync``. The unsharded gradients are held between micro-batches, as DDP holds its full copy."""
     for model in models:
-        if is_sharded(model):
-            model.set_requires_gradient_sync(sync)
+        for unit in fsdp_units(model):
+            unit.set_requires_gradient_sync(sync, recurse=False)
 
 
 def grad_norm_value(norm) -> float:
