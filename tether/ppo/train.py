@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from tether.checkpoint import (atomic_dir, list_checkpoints, load_checkpoint, rng_state, save_checkpoint, save_pretrained,
-                               set_rng_state)
+from tether.checkpoint import (atomic_dir, list_checkpoints, load_checkpoint, rng_state, save_checkpoint,
+                               save_pretrained, set_rng_state)
 from tether.errors import TetherError
 from tether.ppo.evaluate import evaluate
 from tether.ppo.runlog import RunLog
