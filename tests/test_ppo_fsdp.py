@@ -89,16 +89,19 @@ def weights_initial(files) -> dict[str, torch.Tensor]:
 def test_fsdp2_resume_equals_the_straight_run_and_exports_a_plain_model(files, tmp_path, lora):
     """A sharded run with a separate (sharded) critic, stopped at step 2 and resumed to 4, equals the
     straight 4-step run: weights and optimiser states go through full state dicts written by process 0 and
-    re-sharded on load. Its final policy (LoRA: merged) loads with plain transformers and generates."""
+    re-sharded on load. Held-out evaluation runs (every process evaluates: a sharded forward is collective).
+    Its final policy (LoRA: merged) loads with plain transformers and generates."""
     from transformers import AutoModelForCausalLM
 
     extra = ["--save-every", "2", "--reward-normalize", "running", "--critic", "separate",
-             "--critic-model", str(files[0]), *(["--lora-r", "4"] if lora else [])]
+             "--critic-model", str(files[0]), "--eval-every", "2", "--eval-n", "4", "--data-eval-fraction", "0.25",
+             *(["--lora-r", "4"] if lora else [])]
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch("fsdp2.yaml", args(files, straight, 4, *extra))
     launch("fsdp2.yaml", args(files, split, 2, *extra))
     launch("fsdp2.yaml", args(files, split, 4, *extra, "--resume"))
     assert [r["step"] for r in metrics(split)] == [1, 2, 3, 4] and metrics(split) == metrics(straight)
+    assert [r["eval/n"] for r in metrics(split) if "eval/n" in r] == [4, 4]
     a, b = weights(straight), weights(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not (split / "ranks.json").exists()  # one sharded copy: no per-rank digests to compare

@@ -124,16 +124,15 @@ def merged_lora_copy(model, state: dict | None):
 
 
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
-    """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy
-    is gathered on every process around it, so that the main process alone can run it."""
-    from tether.ppo.sharding import gathered
-
-    with gathered(run.models.unwrapped_policy, run.models.fsdp):
-        if not run.processes.is_main:
-            return {}
-        metrics, samples = evaluate(run, cfg, step)
-        log.samples(step, samples, cfg.eval.samples)
-        return metrics
+    """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
+    forward is collective: every process evaluates the same rows, the main process's figures are kept."""
+    if not run.processes.is_main and run.models.fsdp is None:
+        return {}
+    metrics, samples = evaluate(run, cfg, step)
+    if not run.processes.is_main:
+        return {}
+    log.samples(step, samples, cfg.eval.samples)
+    return metrics
 
 
 def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
