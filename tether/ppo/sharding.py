@@ -100,7 +100,7 @@ def gathered(model: nn.Module, settings: FsdpSettings | None):
     all-gather every block again (one all-gather per layer per token). Costs the full weights on every
     process for the duration. Collective: every process enters it. No-op for an unsharded model."""
     units = fsdp_units(model)
-    # Re-entrant: evaluation gathers on every process, then the main process's rollout_batch gathers again.
+    # Re-entrant: evaluation gathers once for all its chunks, and each chunk's rollout_batch asks again.
     if settings is None or not units or getattr(model, "_tether_gathered", False):
         yield
         return
