@@ -113,3 +113,38 @@ def test_fsdp2_resume_equals_the_straight_run_and_exports_a_plain_model(files, t
     assert any(not torch.equal(a[k], weights_initial(files)[k]) for k in a)
     out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 6)
+
+
+def test_fsdp_settings_read_from_the_launch_environment(monkeypatch):
+    """What accelerate launch --config_file fsdp2.yaml exports, read as tether reads it; FSDP1 and parameter
+    offload are refused with a one-line error; without the variables there is no FSDP."""
+    from tether.errors import TetherError
+    from tether.ppo.sharding import fsdp_settings
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert fsdp_settings() is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    assert fsdp_settings().reshard_after_forward is False
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(TetherError, match="fsdp_version 1"):
+        fsdp_settings()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(TetherError, match="fsdp_offload_params"):
+        fsdp_settings()
+
+
+def test_dry_run_plans_zero3_under_fsdp2(files, tmp_path, monkeypatch):
+    from tether.ppo.dryrun import run_plan_config
+    from tiny import tiny_config
+
+    cfg = tiny_config(tmp_path, files[0], files[1])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert run_plan_config(cfg, 80.0).zero == 0
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    plan_cfg = run_plan_config(cfg, 80.0)
+    assert plan_cfg.zero == 3 and plan_cfg.gpus == 2
