@@ -89,8 +89,9 @@ def weights_initial(files) -> dict[str, torch.Tensor]:
 def test_fsdp2_resume_equals_the_straight_run_and_exports_a_plain_model(files, tmp_path, lora):
     """A sharded run with a separate (sharded) critic, stopped at step 2 and resumed to 4, equals the
     straight 4-step run: weights and optimiser states go through full state dicts written by process 0 and
-    re-sharded on load (LoRA: a bf16 base and fp32 adapters in the same FSDP units). Held-out evaluation runs (every process evaluates: a sharded forward is collective).
-    Its final policy (LoRA: merged) loads with plain transformers and generates."""
+    re-sharded on load (LoRA: a bf16 base and fp32 adapters in the same FSDP units). Held-out evaluation
+    runs (every process evaluates: a sharded forward is collective). Its final policy (LoRA: merged) loads
+    with plain transformers and generates."""
     from transformers import AutoModelForCausalLM
 
     # LoRA: a bf16 base and fp32 adapters in the same FSDP units.
