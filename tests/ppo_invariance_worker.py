@@ -1,7 +1,8 @@
 """Run one PPO update on a fixed batch of 8 rollouts and save the gradients the optimisers are about to use.
 
 ``python ppo_invariance_worker.py POLICY PROMPTS OUT.pt GRAD_ACCUMULATION [TRIM]`` in one process updates on all 8
-rows; under ``accelerate launch --num_processes 2`` each process takes 4 of the same 8 rows. The rows have
+rows; under ``accelerate launch --num_processes 2`` each process takes 4 of the same 8 rows (DDP, or FSDP2 with
+``--config_file examples/accelerate/fsdp2.yaml``). The rows have
 different response lengths on purpose (the processes hold different token counts), and the advantages are
 fixed random numbers, so only the loss weighting can make the gradients differ. Used by tests/test_ppo.py.
 """
@@ -59,7 +60,9 @@ def main(policy: str, prompts: str, out: str, grad_accumulation: str, trim: str 
     clip = torch.nn.utils.clip_grad_norm_
 
     def record_then_clip(params, max_norm, *args, **kwargs):
-        grads.append([p.grad.detach().clone() for p in params])
+        # Under FSDP2 a gradient is this process's shard (a DTensor): record the whole one (collective).
+        grads.append([p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.detach().clone()
+                      for p in params])
         return clip(params, max_norm, *args, **kwargs)
 
     torch.nn.utils.clip_grad_norm_ = record_then_clip

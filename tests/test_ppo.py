@@ -306,9 +306,12 @@ def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
 WORKER = Path(__file__).resolve().parent / "ppo_invariance_worker.py"
 
 
-def _worker_grads(files, out: Path, accumulation: int, processes: int = 1, trim: bool = True) -> dict:
+def _worker_grads(files, out: Path, accumulation: int, processes: int = 1, config: str = "",
+                  trim: bool = True) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+    kind = ["--config_file", str(WORKER.parent.parent / "examples" / "accelerate" / config)] if config \
+        else ["--multi_gpu"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *kind, "--num_processes", str(processes),
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] if processes > 1 \
         else [sys.executable]
     proc = subprocess.run([*launch, str(WORKER), str(files[0]), str(files[1]), str(out), str(accumulation),
@@ -377,3 +380,12 @@ def test_trimmed_cuts_only_columns_that_are_padding_in_every_row():
     assert torch.equal(t.advantages, per_token[:, :2]) and torch.equal(t.last_values, experience.last_values)
     assert t.rollout.lengths.tolist() == [2, 1] and torch.equal(t.rollout.ended_with_eos, rollout.ended_with_eos)
     assert (t.rollout.eos_ids, t.rollout.min_new_tokens) == ((3,), 2)  # how the rows were sampled travels along
+
+
+@pytest.mark.slow
+def test_two_fsdp2_processes_of_4_equal_one_process_of_8(files, tmp_path):
+    """The same under FSDP2 (examples/accelerate/fsdp2.yaml): policy and critic sharded over the two processes,
+    micro-batch gradients accumulated without sync, reduce-scattered at the last; the whole gradients at the
+    optimiser step equal the one-process ones."""
+    _assert_same_gradients(_worker_grads(files, tmp_path / "one.pt", 1),
+                           _worker_grads(files, tmp_path / "fsdp.pt", 2, processes=2, config="fsdp2.yaml"))

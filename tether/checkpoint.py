@@ -76,12 +76,14 @@ def fsync_tree(root: Path) -> None:
         fsync_path(folder)
 
 
-def check_finite(model, what: str) -> None:
-    """Refuse to write weights holding NaN/Inf (B16): the caller keeps its last good checkpoint."""
+def check_finite(model, what: str, state_dict: dict | None = None) -> None:
+    """Refuse to write weights holding NaN/Inf (B16): the caller keeps its last good checkpoint. ``state_dict``:
+    the full tensors to check instead of the module's own (a sharded module holds only its shard)."""
     from tether.errors import TetherError
 
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p.detach()).all():
+    named = state_dict.items() if state_dict is not None else model.named_parameters()
+    for name, p in named:
+        if torch.is_floating_point(p) and not torch.isfinite(p.detach()).all():
             raise TetherError(f"{what}: parameter {name} holds NaN/Inf; not saved (the last complete checkpoint "
                               f"is kept)")
 
@@ -121,21 +123,45 @@ def atomic_dir(target: Path, write) -> Path:
     return target
 
 
-def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_state: dict, keep: int) -> Path:
-    """Write checkpoint ``step``; keep the ``keep`` newest. Weights with NaN/Inf are refused (TetherError)."""
-    check_finite(policy_model, f"checkpoint step {step}: policy")
-    check_finite(critic, f"checkpoint step {step}: critic")
+def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_state: dict, keep: int,
+                    policy_state: dict | None = None, critic_state: dict | None = None) -> Path:
+    """Write checkpoint ``step``; keep the ``keep`` newest. ``policy_state``/``critic_state``: full state
+    dicts gathered from sharded models (FSDP2), written in place of the modules' own. Weights with NaN/Inf
+    are refused (TetherError)."""
+    check_finite(policy_model, f"checkpoint step {step}: policy", policy_state)
+    check_finite(critic, f"checkpoint step {step}: critic", critic_state)
 
     def write(tmp: Path):
-        policy_model.save_pretrained(tmp / "policy", safe_serialization=True)
-        save_file({k: v.detach().contiguous() for k, v in critic.state_dict().items()},
-                  str(tmp / "critic.safetensors"))
+        save_pretrained(policy_model, tmp / "policy", policy_state)
+        critic_state_ = critic.state_dict() if critic_state is None else critic_state
+        save_file({k: v.detach().contiguous() for k, v in critic_state_.items()}, str(tmp / "critic.safetensors"))
         torch.save(trainer_state, tmp / "trainer_state.pt")
 
     path = atomic_dir(checkpoint_dir(run_dir, step), write)
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def save_pretrained(model, directory: Path, state_dict: dict | None = None) -> None:
+    """``model.save_pretrained`` in safetensors, from ``state_dict`` when given. A sharded model's class is
+    FSDP2's subclass (``FSDPGPT2LMHeadModel``): config.json names the plain class, which loaders expect."""
+    if state_dict is not None:
+        # A gathered state dict holds tied weights (lm_head = embeddings) as separate copies; the file the
+        # model writes itself leaves the tied target out.
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        state_dict = {k: v for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
+    kwargs = {} if state_dict is None else {"state_dict": state_dict}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    config_file = Path(directory) / "config.json"
+    plain = next((c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")), None) \
+        if type(model).__name__.startswith("FSDP") else None
+    if plain and config_file.is_file():
+        import json
+
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config["architectures"] = [plain]
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def load_checkpoint(path: Path, policy_model, critic) -> dict:

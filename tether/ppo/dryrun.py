@@ -71,12 +71,16 @@ def format_checklist(items: list[CheckItem]) -> str:
 
 
 def run_plan_config(cfg, gpu_memory_gb: float) -> PlanConfig:
-    """The planner's inputs for this run: one process = one device, ``WORLD_SIZE`` processes, DDP (ZeRO-0)."""
+    """The planner's inputs for this run: one process = one device, ``WORLD_SIZE`` processes, DDP (ZeRO-0), or
+    ZeRO-3 when the launch config asks for FSDP2 (its full shard of weights, gradients and Adam state)."""
+    from tether.ppo.sharding import fsdp_settings
+
     return PlanConfig(model=str(resolve_model_path(cfg.model.policy, what="policy")), dtype=cfg.model.dtype,
                       batch_size=cfg.batch_size, prompt_length=cfg.data.max_prompt_length,
                       response_length=cfg.generation.max_new_tokens, lora_r=cfg.model.lora_r, critic_lora_r=0,
                       lora_targets="all" if cfg.model.lora_target_modules == "all-linear" else "attn",
-                      zero=0, gpus=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory=gpu_memory_gb,
+                      zero=3 if fsdp_settings() else 0, gpus=int(os.environ.get("WORLD_SIZE", "1")),
+                      gpu_memory=gpu_memory_gb,
                       gradient_checkpointing=cfg.model.gradient_checkpointing,
                       critic="head" if cfg.critic.kind == "head" else "separate", value_head=cfg.critic.head)
 

@@ -8,6 +8,7 @@ import torch
 from tether.core.kl import kl_penalty
 from tether.ppo.prompts import collate_fields
 from tether.ppo.rollout import forward_response
+from tether.ppo.sharding import gathered
 from tether.ppo.sources import call_rule, score_responses
 from tether.ppo.step import rollout_batch
 
@@ -23,6 +24,12 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
     model = m.unwrapped_policy
     # Evaluation follows a step's update: an engine with its own weights must take them first (C3).
     m.engine.sync_weights(model)
+    with gathered(model, m.fsdp):  # a sharded policy gathered once for all the chunks
+        return _evaluate_rows(run, cfg, rows, model)
+
+
+def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]:
+    m, d = run.models, run.data
     samples, scores_all, correct_all = [], [], []
     for start in range(0, len(rows), cfg.batch_size):
         chunk = rows[start:start + cfg.batch_size]

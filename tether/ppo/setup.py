@@ -29,6 +29,7 @@ from tether.ppo.models import Policy, ValueHead, load_critic, load_policy, load_
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.prompts import PromptStream, load_prompts
 from tether.ppo.rollout import encode_prompts
+from tether.ppo.sharding import FsdpSettings, fsdp_settings, set_gradient_sync, shard
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Processes:
     device: torch.device
     world_size: int
     rank: int
+    fsdp: FsdpSettings | None = None  # the launch config asked for FSDP2 (tether.ppo.sharding)
 
     @property
     def is_main(self) -> bool:
@@ -98,7 +100,12 @@ class Processes:
 
     @contextlib.contextmanager
     def no_sync(self, models: list[nn.Module], last: bool):
-        """Skip DDP's gradient all-reduce on every micro-batch but the last of a minibatch."""
+        """Skip DDP's gradient all-reduce (FSDP2's reduce-scatter) on every micro-batch but the last of a
+        minibatch."""
+        if self.fsdp is not None:
+            set_gradient_sync(models, last or self.world_size == 1)
+            yield
+            return
         with contextlib.ExitStack() as stack:
             if not last and self.world_size > 1:
                 for model in models:
@@ -112,7 +119,8 @@ class Processes:
 @dataclass
 class Models:
     """The models of the run. ``policy_model``/``critic`` are what trains (DDP-wrapped under several
-    processes); ``unwrapped_*`` are the same modules unwrapped (generation, saving)."""
+    processes); ``unwrapped_*`` are the same modules unwrapped (generation, saving). Under FSDP2 both names
+    are the same sharded module (``fsdp`` holds the settings)."""
 
     tokenizer: PreTrainedTokenizerBase
     use_chat_template: bool
@@ -122,6 +130,7 @@ class Models:
     critic: nn.Module              # ValueHead on the policy's hidden states, or SeparateCritic
     unwrapped_critic: nn.Module
     engine: Engine                 # samples the rollouts (C3): --engine, over unwrapped_policy
+    fsdp: FsdpSettings | None = None
 
     @property
     def critic_is_head(self) -> bool:
@@ -207,7 +216,9 @@ def default_critic_backbone(cfg, tokenizer, policy_path: Path) -> Path:
 
 
 def make_processes(cfg) -> Processes:
-    """The accelerator (DDP across processes; trackers from ``--log-with``, logging under the run directory)."""
+    """The accelerator (DDP across processes, or FSDP2 when the launch config asks for it; trackers from
+    ``--log-with``, logging under the run directory). On CPU the accelerator runs gloo processes (it would
+    wrap in DDP whatever the config says): the FSDP settings are read here and applied by :func:`setup`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -218,7 +229,8 @@ def make_processes(cfg) -> Processes:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None,
                               project_dir=cfg.output_dir,
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index)
+    return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index,
+                     fsdp=fsdp_settings())
 
 
 def chat_template_on(cfg, tokenizer) -> bool:
@@ -286,6 +298,31 @@ def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: l
                               f"data.max_prompt_length or --max-new-tokens")
 
 
+def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer, use_chat_template: bool,
+               optim: Optimisation, engine: str) -> Models:
+    """Policy and critic wrapped by ``accelerator.prepare`` (DDP under several processes)."""
+    accelerator = processes.accelerator
+    policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
+        policy.model, critic, optim.policy_optimizer, optim.critic_optimizer)
+    policy_model.train()
+    critic.train()
+    unwrapped_policy = accelerator.unwrap_model(policy_model)
+    return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
+                  policy_model=policy_model, unwrapped_policy=unwrapped_policy,
+                  critic=critic, unwrapped_critic=accelerator.unwrap_model(critic),
+                  engine=make_engine(engine, unwrapped_policy, tokenizer))
+
+
+def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer,
+                   use_chat_template: bool, engine: str) -> Models:
+    """Policy and critic sharded with FSDP2 (tether.ppo.sharding), in place; the reference stays whole."""
+    shard(policy.model, processes.fsdp, processes.device).train()
+    shard(critic, processes.fsdp, processes.device).train()
+    return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
+                  policy_model=policy.model, unwrapped_policy=policy.model, critic=critic, unwrapped_critic=critic,
+                  engine=make_engine(engine, policy.model, tokenizer), fsdp=processes.fsdp)
+
+
 def setup(cfg) -> Run:
     from transformers.utils import logging as hf_logging
 
@@ -301,20 +338,15 @@ def setup(cfg) -> Run:
                          cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
     check_context(cfg, tokenizer, use_chat_template, policy.model.config, train_rows + eval_rows)
-    optim = make_optimisation(cfg, policy, critic)
-
-    accelerator = processes.accelerator
     if policy.reference is not None:
-        policy.reference.to(processes.device)
-    policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
-        policy.model, critic, optim.policy_optimizer, optim.critic_optimizer)
-    policy_model.train()
-    critic.train()
-    unwrapped_policy = accelerator.unwrap_model(policy_model)
-    models = Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
-                    policy_model=policy_model, unwrapped_policy=unwrapped_policy,
-                    critic=critic, unwrapped_critic=accelerator.unwrap_model(critic),
-                    engine=make_engine(cfg.generation.engine, unwrapped_policy, tokenizer))
+        policy.reference.to(processes.device)  # frozen: a whole copy on every process, never sharded
+    engine = cfg.generation.engine
+    if processes.fsdp is not None:
+        models = sharded_models(processes, policy, critic, tokenizer, use_chat_template, engine)
+        optim = make_optimisation(cfg, policy, critic)  # after sharding: the parameters are DTensors now
+    else:
+        optim = make_optimisation(cfg, policy, critic)
+        models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, engine)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
                 running_scores=RunningMoments())

@@ -30,6 +30,7 @@ from tether.ppo.perf import padding_fraction, step_flops
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
 from tether.ppo.rollout import critic_values, encode_prompts, forward_response
+from tether.ppo.sharding import gathered, grad_norm_value
 from tether.ppo.sources import postprocess_scores, score_responses
 
 # The scoring phase's parts (C2); perf/seconds_score is their sum.
@@ -60,13 +61,15 @@ class PhaseTimer:
 
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
     """Encode prompts, sample responses with the run's rollout engine, decode the valid response tokens.
-    ``models``: :class:`~tether.ppo.setup.Models`."""
+    ``models``: :class:`~tether.ppo.setup.Models`. A sharded policy is gathered once for the whole generation
+    (collective: every process calls this)."""
     query, query_mask = encode_prompts(models.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
                                        models.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
     g = cfg.generation
     device = models.unwrapped_policy.device
-    rollout = models.engine.generate(query.to(device), query_mask.to(device), g.max_new_tokens, g.temperature,
-                                     greedy=greedy, min_new_tokens=0 if greedy else g.min_new_tokens)
+    with gathered(models.unwrapped_policy, models.fsdp):
+        rollout = models.engine.generate(query.to(device), query_mask.to(device), g.max_new_tokens, g.temperature,
+                                         greedy=greedy, min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
                                           skip_special_tokens=True)
     return rollout, texts
@@ -322,13 +325,13 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
 def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:
     """Clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs, or None
     when a gradient norm is NaN/Inf (B16): then nothing steps, so no NaN reaches the weights or Adam's
-    moments. The norms are of the synchronised gradients, so every process makes the same choice.
-    ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
+    moments. The norms are of the synchronised gradients (under FSDP2 over all processes' shards), so every
+    process makes the same choice. ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
     max_norm = cfg.optim.max_grad_norm or float("inf")
     out = {}
     if not critic_only:
-        out["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
-    out["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
+        out["policy/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
+    out["value/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
     if not all(math.isfinite(v) for v in out.values()):
         return None
     if not critic_only:

@@ -23,21 +23,29 @@ from tether.checkpoint import (
     load_checkpoint,
     rng_state,
     save_checkpoint,
+    save_pretrained,
     set_rng_state,
 )
 from tether.errors import TetherError
 from tether.ppo.evaluate import evaluate
 from tether.ppo.runlog import RunLog
+from tether.ppo.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    load_sharded_checkpoint,
+)
 from tether.ppo.step import ppo_step
 
 
-def trainer_state(run, step: int, rng_per_rank: list[dict]) -> dict:
+def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[dict, dict] | None = None) -> dict:
     """Everything but the weights that the run needs to continue exactly; ``rng_per_rank``: every process's
     RNG state in rank order (each process samples its own responses). ``rng`` (rank 0's) stays for
-    checkpoints read by older versions."""
+    checkpoints read by older versions. ``optimizers``: the (policy, critic) optimiser states gathered from
+    sharded models, in place of the local ones."""
     o, d = run.optim, run.data
-    return {"step": step, "policy_optimizer": o.policy_optimizer.state_dict(),
-            "critic_optimizer": o.critic_optimizer.state_dict(),
+    optimizers = optimizers or (o.policy_optimizer.state_dict(), o.critic_optimizer.state_dict())
+    return {"step": step, "policy_optimizer": optimizers[0], "critic_optimizer": optimizers[1],
             "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": o.critic_scheduler.state_dict(),
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
             "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank}
@@ -66,10 +74,14 @@ def restore(run, run_dir: Path) -> int:
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise TetherError(f"--resume: {run_dir} has no complete checkpoint")
-    o, d = run.optim, run.data
-    state = load_checkpoint(checkpoints[-1], run.models.unwrapped_policy, run.models.unwrapped_critic)
-    o.policy_optimizer.load_state_dict(state["policy_optimizer"])
-    o.critic_optimizer.load_state_dict(state["critic_optimizer"])
+    o, d, m = run.optim, run.data, run.models
+    state = load_weights(run, checkpoints[-1])
+    if m.fsdp is not None:  # full optimiser states keyed by parameter name; each process keeps its shard
+        load_full_optimizer_state(m.policy_model, o.policy_optimizer, state["policy_optimizer"])
+        load_full_optimizer_state(m.critic, o.critic_optimizer, state["critic_optimizer"])
+    else:
+        o.policy_optimizer.load_state_dict(state["policy_optimizer"])
+        o.critic_optimizer.load_state_dict(state["critic_optimizer"])
     o.policy_scheduler.load_state_dict(state["policy_scheduler"])
     o.critic_scheduler.load_state_dict(state["critic_scheduler"])
     o.kl_controller.load_state_dict(state["kl_controller"])
@@ -155,29 +167,62 @@ def note_non_finite(log: RunLog, step: int, notes: list[str], streak: int, limit
     return streak
 
 
-def export_policy(run, run_dir: Path) -> Path:
-    """The final policy as a plain Hugging Face directory (LoRA merged into a copy), with its tokenizer.
-    Refused (one-line error) if a weight is NaN/Inf."""
+def load_weights(run, path: Path) -> dict:
+    """Load checkpoint ``path``'s weights into the run's models on this process; returns its trainer state.
+    Collective under FSDP2 (every process keeps its shard)."""
+    m = run.models
+    if m.fsdp is not None:
+        return load_sharded_checkpoint(path, m.policy_model, m.critic)
+    return load_checkpoint(path, m.unwrapped_policy, m.unwrapped_critic)
+
+
+def export_policy(run, run_dir: Path) -> Path | None:
+    """The final policy as a plain Hugging Face directory (LoRA merged into a copy), with its tokenizer,
+    written by the main process. Every process calls it: a sharded policy is gathered first (collective)."""
     model = run.models.unwrapped_policy
-    check_finite(model, f"{run_dir / 'policy'}")
+    state = full_model_state(model) if run.models.fsdp is not None else None
+    if not run.processes.is_main:
+        return None
+    check_finite(model, f"{run_dir / 'policy'}", state)  # refused (one line) if a weight is NaN/Inf
 
     def write(tmp: Path):
         if hasattr(model, "peft_config"):
-            import copy
-
-            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+            merged_lora_copy(model, state).save_pretrained(tmp, safe_serialization=True)
         else:
-            model.save_pretrained(tmp, safe_serialization=True)
+            save_pretrained(model, tmp, state)
         run.models.tokenizer.save_pretrained(tmp)
 
     return atomic_dir(run_dir / "policy", write)
 
 
+def merged_lora_copy(model, state: dict | None):
+    """A plain copy of the LoRA policy with the adapter merged. ``state``: the full state dict of a sharded
+    policy (its base is reloaded from the adapter's base path and the state loaded into it)."""
+    import copy
+
+    if state is None:
+        return copy.deepcopy(model).merge_and_unload()
+    from peft import get_peft_model
+
+    from tether.ppo.models import load_causal_lm
+
+    config = copy.deepcopy(model.peft_config["default"])
+    dtype = next(v.dtype for k, v in state.items() if "lora_" not in k and v.is_floating_point())
+    base = load_causal_lm(config.base_model_name_or_path, {torch.float32: "fp32", torch.bfloat16: "bf16",
+                                                           torch.float16: "fp16"}[dtype])
+    plain = get_peft_model(base, config)
+    plain.load_state_dict(state, strict=True)
+    return plain.merge_and_unload()
+
+
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
-    """Evaluate on the main process (the others get no eval metrics) and write its samples."""
-    if not run.processes.is_main:
+    """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
+    forward is collective: every process evaluates the same rows, the main process's figures are kept."""
+    if not run.processes.is_main and run.models.fsdp is None:
         return {}
     metrics, samples = evaluate(run, cfg, step)
+    if not run.processes.is_main:
+        return {}
     log.samples(step, samples, cfg.eval.samples)
     return metrics
 
@@ -186,10 +231,17 @@ def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
     """Save checkpoint ``step`` (weights and trainer state from the main process, every process's RNG
     state); every process waits for it. Returns its path on the main process."""
     rng_per_rank = run.processes.gather_objects(rng_state())
+    m, o = run.models, run.optim
+    sharded = {}
+    if m.fsdp is not None:  # full states gathered on the main process (collective)
+        sharded = {"policy_state": full_model_state(m.policy_model), "critic_state": full_model_state(m.critic),
+                   "optimizers": (full_optimizer_state(m.policy_model, o.policy_optimizer),
+                                  full_optimizer_state(m.critic, o.critic_optimizer))}
     saved = None
     if run.processes.is_main:
-        saved = save_checkpoint(run_dir, step, run.models.unwrapped_policy, run.models.unwrapped_critic,
-                                trainer_state(run, step, rng_per_rank), cfg.keep_checkpoints)
+        state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None))
+        saved = save_checkpoint(run_dir, step, m.unwrapped_policy, m.unwrapped_critic, state, cfg.keep_checkpoints,
+                                **sharded)
     run.processes.wait()
     return saved
 
@@ -250,10 +302,9 @@ def train(cfg, resume: bool = False) -> Path:
     log.close()
     if stopped_by_alarm and cfg.health.rollback:
         rollback(run, log, monitor, healthy_checkpoints)
-    if run.processes.world_size > 1:
+    if run.processes.world_size > 1 and run.models.fsdp is None:  # FSDP2 holds one sharded copy: nothing to compare
         check_ranks_in_sync(run, log, run_dir)
-    if run.processes.is_main:
-        export_policy(run, run_dir)
+    export_policy(run, run_dir)
     run.processes.wait()
     return run_dir
 
@@ -271,7 +322,7 @@ def rollback(run, log: RunLog, monitor, healthy_checkpoints: list[tuple[int, Pat
             log.print(f"[health] no checkpoint saved before step {onset}: nothing to roll back to")
     target = run.processes.broadcast(target)
     if target is not None:
-        load_checkpoint(Path(target), run.models.unwrapped_policy, run.models.unwrapped_critic)
+        load_weights(run, Path(target))
         log.print(f"[health] rolled back to {Path(target).name}; policy/ holds its weights")
 
 
