@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tether.cli import main
-from tether.doctor import diagnose, load_metrics
+from tether.doctor import diagnose, format_diagnosis, load_metrics
 from tether.health import HealthConfig
 
 N = 60
@@ -166,10 +166,17 @@ def test_reward_hacking_gold_metric_falls_while_reward_rises():
             r["eval/accuracy"] = 0.5 - 0.04 * (r["step"] - 30) / 5  # 0.46, 0.42, 0.38, ...
         elif r["step"] > 20:
             r["eval/accuracy"] = 0.5
+
+    def z(p, n=200, best=0.5):  # Agresti–Caffo z of the drop from the best, by hand
+        a, b = (best * n + 1) / (n + 2), (p * n + 1) / (n + 2)
+        return (a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / (n + 2))
+
+    falling = evals[6:]  # after the best (0.5 at steps 25-30)
     d = diagnose(rows)
     assert (d.failure_mode, d.cause_metric) == ("reward hacking", "eval/accuracy")
-    assert d.first_step == 40  # first eval more than 0.05 below the best (0.5 - 0.42 = 0.08)
-    assert d.alarm_step == 45  # first eval more than 0.1 below the best (0.12)
+    assert d.first_step == first_step(falling, "eval/accuracy", lambda v: z(v) > 2) == 45  # 0.38: z = 2.4
+    assert d.alarm_step == first_step(falling, "eval/accuracy", lambda v: z(v) > 3) == 50  # 0.34: z = 3.3
+    assert "eval/accuracy" in format_diagnosis(d)
 
 
 def test_gold_metric_falling_with_reward_falling_is_not_hacking():

@@ -118,7 +118,7 @@ class Diagnosis:
     alarm_step: int | None  # the first step of its alarm
     evidence: dict = field(default_factory=dict)
     prescriptions: list[dict] = field(default_factory=list)
-    unchecked: list[str] = field(default_factory=list)  # bands whose metric never appears
+    unchecked: list[str] = field(default_factory=list)  # bands whose metric (or a key it needs) never appears
     n_steps: int = 0
 
     def to_dict(self) -> dict:
@@ -236,7 +236,7 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     for row in rows:
         monitor.update(int(row["step"]), row)
     present = {k for row in rows for k in row}
-    unchecked = [b.name for b in monitor.bands if b.key not in present]
+    unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     if not failures:
