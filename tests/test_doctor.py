@@ -179,6 +179,27 @@ def test_reward_hacking_gold_metric_falls_while_reward_rises():
     assert "eval/accuracy" in format_diagnosis(d)
 
 
+def test_gold_fall_with_rising_reward_is_the_verdict_even_after_a_kl_alarm():
+    # β = 0: the tether is off, the KL runs away first, then the gold metric falls as the reward rises.
+    rows = healthy_rows()
+    for r in rows:
+        if r["step"] >= 10:
+            r["objective/kl"] = 0.6 + 0.01 * r["step"]
+        if "eval/accuracy" in r:
+            r["eval/reward"] = r["step"] / 10
+            r["eval/accuracy"] = 0.5 if r["step"] <= 15 else 0.3
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step, d.alarm_step) == ("reward hacking", "eval/accuracy", 20, 20)
+    assert d.evidence["chain"][0]["key"] == "objective/kl" and d.evidence["chain"][0]["onset_step"] == 10
+    text = format_diagnosis(d)
+    assert text.index("what led there") < text.index("objective/kl  ")
+    assert d.prescriptions[0]["key"] == "kl.coef"
+    for r in rows:  # the same KL without the gold fall: a KL explosion
+        if "eval/accuracy" in r:
+            r["eval/accuracy"] = 0.5
+    assert diagnose(rows).failure_mode == "KL explosion"
+
+
 def test_gold_metric_falling_with_reward_falling_is_not_hacking():
     rows = healthy_rows()
     for r in rows:
