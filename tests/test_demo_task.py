@@ -295,3 +295,19 @@ def test_real_samples_pair_correct_over_wrong(tok):
         assert gold_reward([pair["prompt"]], [pair["chosen"]], answer=[answers[pair["prompt"]]]) == [1.0]
         assert gold_reward([pair["prompt"]], [pair["rejected"]], answer=[answers[pair["prompt"]]]) == [0.0]
     assert len({tuple(p.values()) for p in pairs}) == len(pairs)  # no duplicate pairs
+
+
+def test_reward_model_tokenizer_ends_every_text_with_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tether.reward_model import TextFormat
+
+    build_tokenizer(save_dir=tmp_path, eos_after_text=True)
+    rm_tok = AutoTokenizer.from_pretrained(tmp_path)  # reloaded: the post-processor is saved with it
+    plain = build_tokenizer()
+    digits = plain("123+045=1168", add_special_tokens=False)["input_ids"]
+    assert rm_tok("123+045=1168", add_special_tokens=False)["input_ids"] == digits  # generation/SFT: nothing added
+    # the reward model's plain format adds special tokens: the score is read at [EOS] for 3- and 4-digit replies
+    for reply in ("168", "1168"):
+        ids = TextFormat(max_length=32).encode(rm_tok, "123+045=", reply).ids
+        assert ids[-1] == rm_tok.eos_token_id and ids[:-1] == plain("123+045=" + reply, add_special_tokens=False)["input_ids"]

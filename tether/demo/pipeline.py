@@ -151,7 +151,11 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
         sft_train(policy, tokenizer, train, settings.rm_backbone_steps, batch_size=64, lr=1e-3, seed=seed + 1,
                   progress=False)
         policy.save_pretrained(out / "rm_backbone")
-        tokenizer.save_pretrained(out / "rm_backbone")
+        # The reward model reads its score at an [EOS] after the reply. Read at the reply's last digit, the
+        # score sat at a different position for 3- and 4-digit answers, and the head learned a check only for
+        # the first: with seed 0 it ranked a correct 4-digit answer above the same answer with its units digit
+        # changed 50% of the time (chance), 100% with the [EOS] (and the 3-digit check stayed at 99%).
+        build_tokenizer(out / "rm_backbone", eos_after_text=True)
         rm_eval = train_demo_rm(out, pairs, settings, seed)
 
     ppo_prompts = write_prompts(out / "prompts_train.jsonl", train)
@@ -229,13 +233,16 @@ def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, be
     # answers, so the advantages are far less noisy than with a fresh value head (measured).
     cfg.critic.kind, cfg.critic.model, cfg.critic.warmup_steps = "separate", str(out / "rm"), 3
     cfg.eval.every, cfg.eval.n, cfg.eval.samples = settings.eval_every, settings.eval_n, settings.eval_n
+    # a step-0 evaluation of the SFT policy: the baseline that the curves and the doctor's gold band start from
+    cfg.eval.at_start = True
     cfg.validate()
     return train(cfg)
 
 
 def curves(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval/accuracy" in r]
+    all_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in all_rows if "eval/accuracy" in r]  # with the step-0 baseline
+    rows = [r for r in all_rows if "objective/kl" in r]  # PPO steps
     return {"step": [r["step"] for r in rows], "rm_reward": [r["objective/scores_raw"] for r in rows],
             "kl": [r["objective/kl"] for r in rows], "kl_sequence": [r["objective/kl_sequence"] for r in rows],
             "response_length": [r["response/length_mean"] for r in rows],
