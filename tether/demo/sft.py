@@ -33,10 +33,19 @@ def sft_tensors(tokenizer, problems: list[dict[str, str]]) -> dict[str, torch.Te
     with the inputs; ``answer_loss`` shifts them). Right padding keeps every prompt at positions 0..,
     as in generation, where the demo's fixed-width prompts need no padding.
     """
-    # the Rust tokenizer directly: the transformers wrapper costs ~4x more on 50k short strings
-    encode = tokenizer.backend_tokenizer.encode_batch
-    prompts = [e.ids for e in encode([p["prompt"] for p in problems], add_special_tokens=False)]
-    answers = [e.ids for e in encode([p["answer"] for p in problems], add_special_tokens=False)]
+    # The Rust tokenizer directly (the transformers wrapper costs ~4x more on 50k short strings), with its
+    # padding switched off for the call: a padded call through the wrapper (generation) leaves padding on in
+    # the backend, and 3-digit answers then came back as [PAD] + digits, a [PAD] the model was trained to write.
+    backend = tokenizer.backend_tokenizer
+    padding = backend.padding
+    backend.no_padding()
+    try:
+        prompts = [e.ids for e in backend.encode_batch([p["prompt"] for p in problems], add_special_tokens=False)]
+        answers = [e.ids for e in backend.encode_batch([p["answer"] for p in problems], add_special_tokens=False)]
+    finally:
+        if padding is not None:
+            backend.enable_padding(**{k: v for k, v in padding.items() if k != "pad_type_id"},
+                                   pad_type_id=padding["pad_type_id"])
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
     ids, mask, labels = [], [], []
