@@ -31,7 +31,7 @@ def feed(monitor, key, values, extra=None):
 def test_default_table_is_the_reference_d1():
     got = {b.name: (b.key, b.healthy, b.alarm_low, b.alarm_high, b.failure_mode) for b in BANDS}
     assert got["kl_mean"] == ("objective/kl", (0.01, 0.1), None, 0.5, "KL explosion")
-    assert got["kl_max"] == ("objective/kl_max", (None, 1.0), None, 5.0, "KL explosion")
+    assert got["kl_max"] == ("objective/kl_p99", (None, 1.0), None, 5.0, "KL explosion")
     assert got["ratio_std"] == ("policy/ratio_std", (None, 0.1), None, 0.3, "ratio out of control")
     assert got["clip_fraction"] == ("policy/clip_fraction", (0.05, 0.2), None, 0.5, "ratio out of control")
     assert got["not_learning"] == ("policy/clip_fraction", (0.05, None), 0.05, None, "not learning")

@@ -113,6 +113,8 @@ def ppo_step(c, cfg, step: int) -> dict:
         "objective/rlhf_reward": c.global_mean(rewards.sum(dim=1).mean()),
         "objective/kl": kl_mean,
         "objective/kl_max": c.global_max(kl[mask.bool()].max() if mask.any() else kl.new_zeros(())),
+        # the health band's measure: a quantile is a property of the policy, the max grows with B·T
+        "objective/kl_p99": c.global_max(kl[mask.bool()].float().quantile(0.99) if mask.any() else kl.new_zeros(())),
         "objective/kl_sequence": c.global_mean(kl.sum(dim=1).mean()),
         "objective/kl_coef": beta_used,
         **train_stats,
