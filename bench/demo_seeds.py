@@ -51,7 +51,8 @@ def verdict(run_dir: Path) -> str:
     from tether.doctor import diagnose_run
 
     d = diagnose_run(run_dir)
-    return "healthy" if d.healthy else f"{d.failure_mode} ({d.cause_metric} @{d.alarm_step})"
+    text = "healthy" if d.healthy else f"{d.failure_mode} ({d.cause_metric} @{d.alarm_step})"
+    return text + (f"; not checked: {', '.join(d.unchecked)}" if d.unchecked else "")
 
 
 def row(root: Path, seed: int) -> dict:
@@ -88,7 +89,7 @@ def print_table(rows: list[dict]) -> None:
     n = len(rows)
     print(f"\nlift (β > 0 ≥ SFT + 10 points, p < 0.05): {sum(r['lift_ok'] for r in rows)}/{n} seeds; "
           f"split (β = 0: RM score up, gold down, p < 0.05): {sum(r['split_ok'] for r in rows)}/{n}; "
-          f"doctor healthy on β > 0: {sum(r['doctor_pos'] == 'healthy' for r in rows)}/{n}, "
+          f"doctor healthy on β > 0 (every band checked): {sum(r['doctor_pos'] == 'healthy' for r in rows)}/{n}, "
           f"reward hacking named on β = 0: {sum(r['doctor_zero'].startswith('reward hacking') for r in rows)}/{n}")
     secs = sorted(r["seconds"] for r in rows)
     print(f"seconds per run: median {secs[len(secs) // 2]:.0f}, min {secs[0]:.0f}, max {secs[-1]:.0f}")
