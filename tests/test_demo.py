@@ -8,6 +8,10 @@ from tether.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="--quick does not show the story yet: measured 2026-12-01, seed 0, its SFT ended "
+                   "at 6% (1,200-step cap; the pass@8 target 0.6 not reached) and its reward model at chance "
+                   "(51.7% [43.7, 59.5]); with the former vacuous asserts this passed. See docs/demo.md. strict: "
+                   "the marker must go when --quick is fixed")
 def test_demo_quick_end_to_end(tmp_path):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--output-dir", str(out), "--seed", "0"]) == 0
@@ -20,10 +24,22 @@ def test_demo_quick_end_to_end(tmp_path):
         assert len(curves["step"]) == results["settings"]["ppo_steps"]
         assert len(curves["rm_reward"]) == len(curves["kl"]) == len(curves["response_length"]) == len(curves["step"])
         assert curves["eval_step"] and len(curves["gold_accuracy"]) == len(curves["eval_step"])
-        final = run["final"]
-        assert final["n"] == results["settings"]["n_eval"] and final["low"] <= final["accuracy"] <= final["high"]
-    assert 0.0 <= results["sft"]["accuracy"] <= 1.0 and results["sft"]["n"] >= 200
-    assert {"accuracy", "wilson_low", "wilson_high", "excludes_chance"} <= results["reward_model"].keys()
+        assert curves["eval_step"][0] == 0  # the SFT baseline evaluated by the PPO run itself
+        assert run["final"]["n"] == results["settings"]["n_eval"]
+    # The story's directions that --quick shows: the reward model beats chance on held-out pairs; without the
+    # tether the policy drifts further from the reference than with it.
+    rm = results["reward_model"]
+    assert rm["excludes_chance"] and rm["wilson_low"] > 0.5
+    kl = {name: run["curves"]["kl"] for name, run in results["runs"].items()}
+    assert kl["beta_0"][-1] > kl["beta_0.2"][-1] and sum(kl["beta_0"]) > sum(kl["beta_0.2"])
+    # The same numbers as the SFT stage measured, re-derived from the McNemar counts of the final evaluation.
+    from tether.stats import mcnemar_exact
+
+    for run in results["runs"].values():
+        f = run["final"]
+        assert f["mcnemar_p_vs_sft"] == mcnemar_exact(f["only_ppo_correct"], f["only_sft_correct"])
+        assert f["accuracy"] - results["sft"]["accuracy"] == pytest.approx(
+            (f["only_ppo_correct"] - f["only_sft_correct"]) / f["n"])
     # The pairs are real samples labelled by the gold rule: chosen is the answer, rejected is not.
     from tether.demo.task import solve
 
