@@ -66,7 +66,7 @@ def run(args) -> int:
         from tether.errors import ConfigError
 
         raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
-    # Same machine, same seed, same --threads: the same results.json numbers (README "Determinism"). The
+    # Same machine, same seed, same --threads: the same results.json numbers (docs/demo.md). The
     # thread count fixes how CPU kernels split their reductions; deterministic algorithms refuse any op
     # whose result could depend on scheduling (none of the demo's CPU ops do today; this keeps it so).
     torch.set_num_threads(args.threads)

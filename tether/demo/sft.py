@@ -156,7 +156,8 @@ def sft_to_accuracy(
     machine), so a fixed step count can leave the policy anywhere from 10% to 85%; stopping at a target
     gives PPO a comparable start. pass@k is the better target for RL: RL can only make likelier what the
     policy already samples, and a greedy target can stop between two jumps, e.g. with a units digit not yet
-    learned and written as a near-constant, which no amount of sampling then finds. ``dev`` must be problems the policy is not trained on and not the
+    learned and written as a near-constant, which no amount of sampling then finds. ``dev`` must be
+    problems the policy is not trained on and not the
     held-out set that later judges PPO (e.g. a slice cut off the train list). Returns ``sft_train``'s
     stats (``seconds`` excludes the dev checks) plus ``reached`` (bool) and ``dev_curve``:
     ``[(step, accuracy), …]``.

@@ -122,7 +122,8 @@ def build_tokenizer(save_dir: str | Path | None = None, padding_side: str = "lef
     ``[PAD]`` = 0, ``[EOS]`` = 1 (also the BOS token), ``[UNK]`` = 2 for any other character. By default
     no special token is added automatically; with ``eos_after_text`` an encoding with
     ``add_special_tokens=True`` ends with ``[EOS]`` (the reward model's tokenizer: its score is read at the
-    EOS that ends every reply, see ``tether.demo.pipeline``). Decoding fuses characters back without spaces. Left padding by default,
+    EOS that ends every reply, see ``tether.demo.pipeline``). Decoding fuses characters back without
+    spaces. Left padding by default,
     which is what batched generation needs. Saved with ``save_pretrained`` when ``save_dir`` is given;
     ``AutoTokenizer.from_pretrained(save_dir)`` reloads it.
     """
