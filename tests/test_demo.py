@@ -7,11 +7,16 @@ import pytest
 from tether.cli import main
 
 
-@pytest.mark.slow
-def test_demo_quick_end_to_end(tmp_path):
-    out = tmp_path / "demo"
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "demo"
     assert main(["demo", "--quick", "--output-dir", str(out), "--seed", "0"]) == 0
-    results = json.loads((out / "results.json").read_text())
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_demo_quick_runs_every_stage_on_real_samples(quick_demo):
+    out, results = quick_demo
     assert results["mode"] == "quick"
     assert set(results["runs"]) == {"beta_0.2", "beta_0"}
     assert results["runs"]["beta_0"]["kl_coef"] == 0.0 and results["runs"]["beta_0.2"]["kl_coef"] == 0.2
@@ -20,10 +25,16 @@ def test_demo_quick_end_to_end(tmp_path):
         assert len(curves["step"]) == results["settings"]["ppo_steps"]
         assert len(curves["rm_reward"]) == len(curves["kl"]) == len(curves["response_length"]) == len(curves["step"])
         assert curves["eval_step"] and len(curves["gold_accuracy"]) == len(curves["eval_step"])
-        final = run["final"]
-        assert final["n"] == results["settings"]["n_eval"] and final["low"] <= final["accuracy"] <= final["high"]
-    assert 0.0 <= results["sft"]["accuracy"] <= 1.0 and results["sft"]["n"] >= 200
-    assert {"accuracy", "wilson_low", "wilson_high", "excludes_chance"} <= results["reward_model"].keys()
+        assert curves["eval_step"][0] == 0  # the SFT baseline evaluated by the PPO run itself
+        assert run["final"]["n"] == results["settings"]["n_eval"]
+    # The same numbers as the SFT stage measured, re-derived from the McNemar counts of the final evaluation.
+    from tether.core.stats import mcnemar_exact
+
+    for run in results["runs"].values():
+        f = run["final"]
+        assert f["mcnemar_p_vs_sft"] == mcnemar_exact(f["only_ppo_correct"], f["only_sft_correct"])
+        assert f["accuracy"] - results["sft"]["accuracy"] == pytest.approx(
+            (f["only_ppo_correct"] - f["only_sft_correct"]) / f["n"])
     # The pairs are real samples labelled by the gold rule: chosen is the answer, rejected is not.
     from tether.demo.task import solve
 
@@ -37,3 +48,18 @@ def test_demo_quick_end_to_end(tmp_path):
     page = (out / "report.html").read_text()
     assert "beta = 0" in page and "<img" in page and "http://" not in page and "https://" not in page
     assert set(results["stage_seconds"]) >= {"b. SFT on 3-digit addition", "d. reward model (Bradley-Terry) on the pairs"}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="--quick does not show the story yet (issue #18 open): measured 2026-12-01, seed 0, its SFT "
+                   "ended at 6% (1,200-step cap) and its reward model at chance (51.7% [43.7, 59.5]); see "
+                   "docs/demo.md. strict: the marker must go when --quick is fixed")
+def test_demo_quick_shows_the_story(quick_demo):
+    """The story's directions --quick should show: the reward model beats chance on held-out pairs; without
+    the tether the policy drifts further from the reference than with it."""
+    _, results = quick_demo
+    rm = results["reward_model"]
+    assert rm["excludes_chance"] and rm["wilson_low"] > 0.5
+    kl = {name: run["curves"]["kl"] for name, run in results["runs"].items()}
+    assert kl["beta_0"][-1] > kl["beta_0.2"][-1] and sum(kl["beta_0"]) > sum(kl["beta_0.2"])

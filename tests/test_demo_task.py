@@ -158,6 +158,16 @@ def test_sft_labels_mask_prompt_and_padding(tok):
     assert t["labels"].tolist() == [[-100] * 8 + ids("168") + [eos, -100], [-100] * 8 + ids("1998") + [eos]]
 
 
+def test_sft_labels_are_the_same_after_a_padded_call():
+    tok = build_tokenizer()
+    probs = [{"prompt": "123+045=", "answer": "168"}, {"prompt": "999+999=", "answer": "1998"}]
+    clean = sft_tensors(tok, probs)
+    tok(["1", "123"], padding=True, add_special_tokens=False)  # as generation does; leaves padding on in the backend
+    after = sft_tensors(tok, probs)
+    assert all(torch.equal(clean[k], after[k]) for k in clean)
+    assert tok(["1", "123"], padding=True, add_special_tokens=False)["input_ids"][0][0] == tok.pad_token_id  # restored
+
+
 def test_answer_loss_is_mean_cross_entropy_over_labelled_positions():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 7, generator=gen)
@@ -203,6 +213,40 @@ def test_sft_to_accuracy_stops_at_the_first_check_that_reaches_the_target(tok, m
     missed = sft_to_accuracy(model, tok, train, dev, target=0.99, max_steps=3, check_every=2, batch_size=8,
                              progress=False)
     assert missed["steps"] == 3 and missed["dev_curve"] == [(2, 0.2), (3, 0.4)] and not missed["reached"]
+
+
+def test_sft_to_accuracy_can_stop_at_pass_at_k(tok, monkeypatch):
+    seen = []
+
+    def fake_pass(model, tokenizer, dev, k, seed):
+        seen.append((k, seed))
+        return [0.5, 0.9][len(seen) - 1]
+
+    monkeypatch.setattr(sft_mod, "pass_at_k", fake_pass)
+    monkeypatch.setattr(sft_mod, "gold_accuracy", lambda *a, **k: pytest.fail("greedy accuracy used"))
+    out = sft_to_accuracy(tiny_policy(tok), tok, make_problems(64, seed=0), make_problems(8, seed=1), target=0.85,
+                          max_steps=20, check_every=2, pass_k=8, batch_size=8, progress=False)
+    assert out["steps"] == 4 and out["dev_curve"] == [(2, 0.5), (4, 0.9)] and seen == [(8, 2), (8, 4)]
+
+
+def test_pass_at_k_counts_a_problem_once_any_sample_is_right(tok, monkeypatch):
+    problems = [{"prompt": "001+001=", "answer": "2"}, {"prompt": "002+002=", "answer": "4"}]
+    replies = iter([("2", True), ("3", True), ("9", True), ("4", False)])  # 2nd problem: right text, no EOS
+    monkeypatch.setattr(sft_mod, "generate_answers", lambda model, tokenizer, prompts, **kw: [
+        {"response": r, "ended_with_eos": e} for r, e in (next(replies) for _ in prompts)])
+    assert sft_mod.pass_at_k(None, tok, problems, k=2, seed=0) == 0.5
+
+
+def test_same_seed_same_weights_and_samples(tok):
+    """The same-machine half of the demo's determinism: SFT and seeded sampling repeat bit for bit."""
+    runs = []
+    for _ in range(2):
+        model = tiny_policy(tok)
+        sft_train(model, tok, make_problems(256, seed=0), steps=10, batch_size=32, lr=3e-3, seed=3, progress=False)
+        gens = generate_answers(model, tok, ["123+045=", "999+999="] * 8, greedy=False, seed=11)
+        runs.append(([p.detach().clone() for p in model.parameters()], gens))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert runs[0][1] == runs[1][1]
 
 
 # ---------------------------------------------------------------- generation and accuracy
@@ -295,3 +339,19 @@ def test_real_samples_pair_correct_over_wrong(tok):
         assert gold_reward([pair["prompt"]], [pair["chosen"]], answer=[answers[pair["prompt"]]]) == [1.0]
         assert gold_reward([pair["prompt"]], [pair["rejected"]], answer=[answers[pair["prompt"]]]) == [0.0]
     assert len({tuple(p.values()) for p in pairs}) == len(pairs)  # no duplicate pairs
+
+
+def test_reward_model_tokenizer_ends_every_text_with_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tether.rm.model import TextFormat
+
+    build_tokenizer(save_dir=tmp_path, eos_after_text=True)
+    rm_tok = AutoTokenizer.from_pretrained(tmp_path)  # reloaded: the post-processor is saved with it
+    plain = build_tokenizer()
+    digits = plain("123+045=1168", add_special_tokens=False)["input_ids"]
+    assert rm_tok("123+045=1168", add_special_tokens=False)["input_ids"] == digits  # generation/SFT: nothing added
+    # the reward model's plain format adds special tokens: the score is read at [EOS] for 3- and 4-digit replies
+    for reply in ("168", "1168"):
+        ids = TextFormat(max_length=32).encode(rm_tok, "123+045=", reply).ids
+        assert ids[-1] == rm_tok.eos_token_id and ids[:-1] == plain("123+045=" + reply, add_special_tokens=False)["input_ids"]

@@ -36,6 +36,7 @@ def healthy_rows(n: int = N, seed: int = 0, eval_every: int = 5) -> list[dict]:
             "step": s,
             "objective/scores": score, "objective/scores_raw": score, "objective/rlhf_reward": score - 0.01,
             "objective/kl": jitter(0.005 + 0.05 * s / n, 0.1), "objective/kl_max": jitter(0.3 + 0.3 * s / n, 0.1),
+            "objective/kl_p99": jitter(0.2 + 0.2 * s / n, 0.1),
             "objective/kl_sequence": 0.2, "objective/kl_coef": 0.05,
             "policy/loss": rng.gauss(0, 0.05), "policy/clip_fraction": jitter(0.1, 0.2),
             "policy/approx_kl": jitter(0.005, 0.2), "policy/ratio_mean": 1.0, "policy/ratio_std": jitter(0.04, 0.15),
@@ -70,14 +71,14 @@ def test_healthy_run_is_healthy():
 def test_noisy_single_step_spikes_need_persistence():
     rows = healthy_rows(seed=1)
     rows[19]["policy/ratio_std"] = 0.5       # step 20, one step above the 0.3 alarm
-    rows[29]["objective/kl_max"] = 8.0       # step 30, above 5
+    rows[29]["objective/kl_p99"] = 8.0       # step 30, above 5
     rows[39]["value/loss"] *= 8              # step 40, ×8 its recent median
     rows[44]["policy/entropy"] *= 0.3        # step 45, a one-step dip
     assert diagnose(rows).healthy  # default persistence 2
     d = diagnose(rows, HealthConfig(persistence=1))
     assert not d.healthy
     assert (d.cause_metric, d.first_step, d.failure_mode) == ("policy/ratio_std", 20, "ratio out of control")
-    assert [c["key"] for c in d.evidence["chain"]] == ["objective/kl_max", "value/loss", "policy/entropy"]
+    assert [c["key"] for c in d.evidence["chain"]] == ["objective/kl_p99", "value/loss", "policy/entropy"]
 
 
 def test_kl_explosion():
@@ -85,7 +86,7 @@ def test_kl_explosion():
     for r in rows[24:]:  # from step 25
         j = r["step"] - 25
         r["objective/kl"] = 0.08 * 1.35 ** j
-        r["objective/kl_max"] = 0.8 * 1.35 ** j
+        r["objective/kl_p99"] = 0.8 * 1.35 ** j
     d = diagnose(rows)
     expected = first_step(rows, "objective/kl", lambda v: v > 0.1)
     assert expected == 26
@@ -94,6 +95,17 @@ def test_kl_explosion():
     assert d.prescriptions[0]["key"] == "kl.coef"
     assert [p["key"] for p in d.prescriptions] == [
         "kl.coef", "optim.lr", "ppo.epochs", "ppo.clip_range", "kl.controller", "health.rollback"]
+
+
+def test_kl_band_reads_the_percentile_not_the_max():
+    rows = healthy_rows()
+    for r in rows[20:]:
+        r["objective/kl_max"] = 9.0  # a handful of tokens far out: the max alone does not alarm
+    assert diagnose(rows).healthy
+    for r in rows[20:]:
+        r["objective/kl_p99"] = 6.0  # 1% of the tokens past 5 nats: it does
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.alarm_step) == ("KL explosion", "objective/kl_p99", 21)
 
 
 def test_ratio_out_of_control():
@@ -166,10 +178,38 @@ def test_reward_hacking_gold_metric_falls_while_reward_rises():
             r["eval/accuracy"] = 0.5 - 0.04 * (r["step"] - 30) / 5  # 0.46, 0.42, 0.38, ...
         elif r["step"] > 20:
             r["eval/accuracy"] = 0.5
+
+    def z(p, n=200, best=0.5):  # Agresti–Caffo z of the drop from the best, by hand
+        a, b = (best * n + 1) / (n + 2), (p * n + 1) / (n + 2)
+        return (a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / (n + 2))
+
+    falling = evals[6:]  # after the best (0.5 at steps 25-30)
     d = diagnose(rows)
     assert (d.failure_mode, d.cause_metric) == ("reward hacking", "eval/accuracy")
-    assert d.first_step == 40  # first eval more than 0.05 below the best (0.5 - 0.42 = 0.08)
-    assert d.alarm_step == 45  # first eval more than 0.1 below the best (0.12)
+    assert d.first_step == first_step(falling, "eval/accuracy", lambda v: z(v) > 2) == 45  # 0.38: z = 2.4
+    assert d.alarm_step == first_step(falling, "eval/accuracy", lambda v: z(v) > 3) == 50  # 0.34: z = 3.3
+    assert "eval/accuracy" in format_diagnosis(d)
+
+
+def test_gold_fall_with_rising_reward_is_the_verdict_even_after_a_kl_alarm():
+    # β = 0: the tether is off, the KL runs away first, then the gold metric falls as the reward rises.
+    rows = healthy_rows()
+    for r in rows:
+        if r["step"] >= 10:
+            r["objective/kl"] = 0.6 + 0.01 * r["step"]
+        if "eval/accuracy" in r:
+            r["eval/reward"] = r["step"] / 10
+            r["eval/accuracy"] = 0.5 if r["step"] <= 15 else 0.3
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step, d.alarm_step) == ("reward hacking", "eval/accuracy", 20, 20)
+    assert d.evidence["chain"][0]["key"] == "objective/kl" and d.evidence["chain"][0]["onset_step"] == 10
+    text = format_diagnosis(d)
+    assert text.index("what led there") < text.index("objective/kl  ")
+    assert d.prescriptions[0]["key"] == "kl.coef"
+    for r in rows:  # the same KL without the gold fall: a KL explosion
+        if "eval/accuracy" in r:
+            r["eval/accuracy"] = 0.5
+    assert diagnose(rows).failure_mode == "KL explosion"
 
 
 def test_gold_metric_falling_with_reward_falling_is_not_hacking():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 
@@ -30,7 +31,7 @@ def feed(monitor, key, values, extra=None):
 def test_default_table_is_the_reference_d1():
     got = {b.name: (b.key, b.healthy, b.alarm_low, b.alarm_high, b.failure_mode) for b in BANDS}
     assert got["kl_mean"] == ("objective/kl", (0.01, 0.1), None, 0.5, "KL explosion")
-    assert got["kl_max"] == ("objective/kl_max", (None, 1.0), None, 5.0, "KL explosion")
+    assert got["kl_max"] == ("objective/kl_p99", (None, 1.0), None, 5.0, "KL explosion")
     assert got["ratio_std"] == ("policy/ratio_std", (None, 0.1), None, 0.3, "ratio out of control")
     assert got["clip_fraction"] == ("policy/clip_fraction", (0.05, 0.2), None, 0.5, "ratio out of control")
     assert got["not_learning"] == ("policy/clip_fraction", (0.05, None), 0.05, None, "not learning")
@@ -122,19 +123,43 @@ def test_warmup_skips_the_critic_bands():
     assert (a.alarm_step, a.onset_step) == (6, 6)  # never healthy before: the onset is the alarm itself
 
 
+def _z(p_best, n_best, p, n):
+    """Agresti–Caffo z of a drop in a proportion, written out independently of tether.health."""
+    a, b = (p_best * n_best + 1) / (n_best + 2), (p * n + 1) / (n + 2)
+    return (a - b) / math.sqrt(a * (1 - a) / (n_best + 2) + b * (1 - b) / (n + 2))
+
+
 def test_gold_drop_needs_reward_rising():
-    rows = [(0.3, 0.0), (0.5, 0.1), (0.45, 0.2), (0.35, 0.3), (0.3, 0.4)]  # (accuracy, reward)
+    rows = [(0.3, 0.0), (0.5, 0.1), (0.45, 0.2), (0.35, 0.3), (0.3, 0.4)]  # (accuracy, reward), n = 200
+    assert _z(0.5, 200, 0.45, 200) < 2 < 3 < _z(0.5, 200, 0.35, 200)  # step 30 ok, steps 40-50 alarm
     m = HealthMonitor()
     alerts = {}
     for step, (acc, rew) in enumerate(rows, 1):
-        if got := m.update(step * 10, {"eval/accuracy": acc, "eval/reward": rew}):
+        if got := m.update(step * 10, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 200}):
             alerts[step * 10] = got
     (a,) = alerts[50]
     assert (a.band.name, a.alarm_step, a.onset_step) == ("gold_drop", 40, 40)
-    assert a.measure == pytest.approx(0.2)
+    assert a.measure == pytest.approx(_z(0.5, 200, 0.3, 200))
     m = HealthMonitor()
     for step, (acc, _) in enumerate(rows, 1):  # reward falling with the accuracy: not hacking
-        assert m.update(step, {"eval/accuracy": acc, "objective/scores_raw": -step}) == []
+        assert m.update(step, {"eval/accuracy": acc, "objective/scores_raw": -step, "eval/n": 200}) == []
+
+
+@pytest.mark.parametrize("n, alarmed", [(32, False), (1000, True)])
+def test_gold_drop_is_judged_by_its_significance_not_its_size(n, alarmed):
+    # the same 10-point fall (50% -> 40%, twice) is noise on 32 prompts and a real fall on 1000
+    assert (_z(0.5, n, 0.4, n) > 3) == alarmed
+    m = HealthMonitor()
+    got = [a for s, acc in enumerate([0.5, 0.4, 0.4], 1)
+           for a in m.update(s, {"eval/accuracy": acc, "eval/reward": float(s), "eval/n": n})]
+    assert [a.band.name for a in got] == (["gold_drop"] if alarmed else [])
+
+
+def test_gold_drop_needs_the_evaluation_size():
+    m = HealthMonitor()
+    for s, acc in enumerate([0.9, 0.1, 0.1, 0.1], 1):
+        assert m.update(s, {"eval/accuracy": acc, "eval/reward": float(s)}) == []
+    assert m.trace("gold_drop") == []
 
 
 def test_not_learning_needs_a_long_stretch_at_the_reference():

@@ -36,7 +36,8 @@ def test_cli_end_to_end_and_yaml(files, tmp_path, capsys):
     assert main(base_args(files, out) + ["--config", str(config)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    required = ["objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_max", "objective/kl_coef",
+    required = ["objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_max", "objective/kl_p99",
+                "objective/kl_coef",
                 "policy/loss", "policy/clip_fraction", "policy/approx_kl", "policy/ratio_mean", "policy/ratio_std",
                 "policy/ratio_max", "policy/entropy", "value/loss", "value/clip_fraction",
                 "value/explained_variance", "value/mean", "response/length_mean", "response/truncated_fraction",
@@ -55,6 +56,7 @@ def test_cli_end_to_end_and_yaml(files, tmp_path, capsys):
     kl_seen = rows[0]["objective/kl"]
     expected_beta = 0.2 if kl_seen > 0.015 else 0.05 if kl_seen < 0.01 / 1.5 else 0.1
     assert rows[1]["objective/kl_coef"] == pytest.approx(expected_beta, rel=1e-12)
+    assert all(r["objective/kl_p99"] <= r["objective/kl_max"] for r in rows)  # a percentile, not above the max
     saved = (out / "config.yaml").read_text()
     assert "controller: adaptive" in saved
     samples = [json.loads(line) for line in (out / "samples" / "step_2.jsonl").read_text().splitlines()]

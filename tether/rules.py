@@ -26,7 +26,7 @@ final answer is N", or a line ``#### N``) followed by at most ``%`` or two unit 
 and N is the answer found above. The bonus does not depend on N being right.
 
 Truncated replies earn nothing. During PPO training and evaluation tether passes every rule the reserved
-keyword ``ended_with_eos`` (one bool per response; see :func:`tether.rewards.call_rule`); a response cut by
+keyword ``ended_with_eos`` (one bool per response; see :func:`tether.ppo.sources.call_rule`); a response cut by
 ``max_new_tokens`` scores 0 here, bonus included, whatever its last number says. Called directly without
 ``ended_with_eos``, the rules treat every response as ended.
 """

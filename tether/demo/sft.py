@@ -33,10 +33,19 @@ def sft_tensors(tokenizer, problems: list[dict[str, str]]) -> dict[str, torch.Te
     with the inputs; ``answer_loss`` shifts them). Right padding keeps every prompt at positions 0..,
     as in generation, where the demo's fixed-width prompts need no padding.
     """
-    # the Rust tokenizer directly: the transformers wrapper costs ~4x more on 50k short strings
-    encode = tokenizer.backend_tokenizer.encode_batch
-    prompts = [e.ids for e in encode([p["prompt"] for p in problems], add_special_tokens=False)]
-    answers = [e.ids for e in encode([p["answer"] for p in problems], add_special_tokens=False)]
+    # The Rust tokenizer directly (the transformers wrapper costs ~4x more on 50k short strings), with its
+    # padding switched off for the call: a padded call through the wrapper (generation) leaves padding on in
+    # the backend, and 3-digit answers then came back as [PAD] + digits, a [PAD] the model was trained to write.
+    backend = tokenizer.backend_tokenizer
+    padding = backend.padding
+    backend.no_padding()
+    try:
+        prompts = [e.ids for e in backend.encode_batch([p["prompt"] for p in problems], add_special_tokens=False)]
+        answers = [e.ids for e in backend.encode_batch([p["answer"] for p in problems], add_special_tokens=False)]
+    finally:
+        if padding is not None:
+            backend.enable_padding(**{k: v for k, v in padding.items() if k != "pad_type_id"},
+                                   pad_type_id=padding["pad_type_id"])
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
     ids, mask, labels = [], [], []
@@ -136,13 +145,19 @@ def sft_to_accuracy(
     target: float,
     max_steps: int,
     check_every: int = 50,
+    pass_k: int = 0,
     **sft_kwargs: Any,
 ) -> dict[str, Any]:
-    """SFT until greedy gold accuracy on ``dev`` reaches ``target``, checked every ``check_every`` steps.
+    """SFT until the dev metric reaches ``target``, checked every ``check_every`` steps: greedy gold
+    accuracy on ``dev``, or with ``pass_k`` > 0 the share of dev problems solved by at least one of
+    ``pass_k`` samples at temperature 1 (``pass_at_k``, seeded).
 
     SFT learns addition in sudden jumps whose timing varies with the seed (and wall time with the
     machine), so a fixed step count can leave the policy anywhere from 10% to 85%; stopping at a target
-    gives PPO a comparable start. ``dev`` must be problems the policy is not trained on and not the
+    gives PPO a comparable start. pass@k is the better target for RL: RL can only make likelier what the
+    policy already samples, and a greedy target can stop between two jumps, e.g. with a units digit not yet
+    learned and written as a near-constant, which no amount of sampling then finds. ``dev`` must be
+    problems the policy is not trained on and not the
     held-out set that later judges PPO (e.g. a slice cut off the train list). Returns ``sft_train``'s
     stats (``seconds`` excludes the dev checks) plus ``reached`` (bool) and ``dev_curve``:
     ``[(step, accuracy), …]``.
@@ -152,7 +167,10 @@ def sft_to_accuracy(
     def check(step: int, _loss: float) -> bool:
         if step % check_every and step != max_steps:
             return False
-        acc = gold_accuracy(model, tokenizer, dev)["accuracy"]
+        if pass_k:
+            acc = pass_at_k(model, tokenizer, dev, pass_k, seed=step)
+        else:
+            acc = gold_accuracy(model, tokenizer, dev)["accuracy"]
         curve.append((step, acc))
         return acc >= target
 
@@ -261,3 +279,14 @@ def gold_accuracy(
         "eos_rate": sum(g["ended_with_eos"] for g in gens) / n if n else float("nan"),
         "responses": responses,
     }
+
+
+def pass_at_k(model, tokenizer, problems: list[dict[str, str]], k: int, seed: int, temperature: float = 1.0) -> float:
+    """Share of ``problems`` with at least one correct answer (gold rule, ended with ``[EOS]``) among ``k``
+    samples at ``temperature`` (seeded, global RNG untouched)."""
+    prompts = [p["prompt"] for p in problems for _ in range(k)]
+    gens = generate_answers(model, tokenizer, prompts, greedy=False, temperature=temperature,
+                            batch_size=max(256, k * 32), seed=seed)
+    answers = [p["answer"] for p in problems for _ in range(k)]
+    ok = [g["response"] == a and g["ended_with_eos"] for g, a in zip(gens, answers)]
+    return sum(any(ok[i * k:(i + 1) * k]) for i in range(len(problems))) / len(problems) if problems else float("nan")

@@ -116,15 +116,18 @@ def gold_reward(
     return [1.0 if r == str(a) else 0.0 for r, a in zip(responses, answer)]
 
 
-def build_tokenizer(save_dir: str | Path | None = None, padding_side: str = "left"):
+def build_tokenizer(save_dir: str | Path | None = None, padding_side: str = "left", eos_after_text: bool = False):
     """A character-level ``PreTrainedTokenizerFast``: one token per character of ``CHARACTERS``.
 
-    ``[PAD]`` = 0, ``[EOS]`` = 1 (also the BOS token; the demo adds neither automatically), ``[UNK]`` = 2
-    for any other character. Decoding fuses characters back without spaces. Left padding by default,
+    ``[PAD]`` = 0, ``[EOS]`` = 1 (also the BOS token), ``[UNK]`` = 2 for any other character. By default
+    no special token is added automatically; with ``eos_after_text`` an encoding with
+    ``add_special_tokens=True`` ends with ``[EOS]`` (the reward model's tokenizer: its score is read at the
+    EOS that ends every reply, see ``tether.demo.pipeline``). Decoding fuses characters back without
+    spaces. Left padding by default,
     which is what batched generation needs. Saved with ``save_pretrained`` when ``save_dir`` is given;
     ``AutoTokenizer.from_pretrained(save_dir)`` reloads it.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     if padding_side not in ("left", "right"):
@@ -134,6 +137,8 @@ def build_tokenizer(save_dir: str | Path | None = None, padding_side: str = "lef
     # Every character, newlines included ([\s\S]), is its own piece; "isolated" keeps it as a token.
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    if eos_after_text:
+        core.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, vocab[EOS])])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,

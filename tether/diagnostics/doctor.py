@@ -1,8 +1,13 @@
 """``tether doctor RUN_DIR``: read a PPO run's metrics, find the cause, name the failure mode, prescribe (D2).
 
 The cause is the first metric, in time, to leave its healthy band on the way to an alarm; the bands that
-alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6). The rules are
-:mod:`tether.diagnostics.health`'s, replayed over ``metrics.jsonl`` by the same :class:`~tether.diagnostics.health.HealthMonitor`
+alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6) — with one
+exception: a significant fall of the held-out gold metric while the reward rises (the ``gold_drop`` band)
+is the verdict whenever it alarms. It is the only band that measures the outcome against the task's truth,
+and it is reward hacking by definition, whatever moved first; the bands that left earlier (typically the
+KL: the tether slipping, e.g. with β = 0) are listed as the route the run took. The rules are
+:mod:`tether.diagnostics.health`'s, replayed over ``metrics.jsonl`` by the same
+:class:`~tether.diagnostics.health.HealthMonitor`
 that raises live alerts. Prescriptions come from reference §D (D.2–D.5), in priority order, each with the
 config key to change and, when the run's ``config.yaml`` has it, the current value and a suggestion. It also
 says where a step's time went (C2): mean seconds per phase and the rollout share.
@@ -136,7 +141,7 @@ class Diagnosis:
     alarm_step: int | None  # the first step of its alarm
     evidence: dict = field(default_factory=dict)
     prescriptions: list[dict] = field(default_factory=list)
-    unchecked: list[str] = field(default_factory=list)  # bands whose metric never appears
+    unchecked: list[str] = field(default_factory=list)  # bands whose metric (or a key it needs) never appears
     n_steps: int = 0
     phases: dict = field(default_factory=dict)  # phase -> mean seconds per step (C2), see phase_seconds
 
@@ -248,20 +253,24 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
              ) -> Diagnosis:
     """Replay ``rows`` (metrics.jsonl) through the health monitor and name the cause.
 
-    Cause = the alarmed band with the earliest onset (ties: the order of the D.6 chain); "not learning"
-    is named only when nothing else alarmed. ``run_config`` (the run's config.yaml) fills in current values.
+    Cause = the alarmed band with the earliest onset (ties: the order of the D.6 chain), except that an
+    alarmed gold band (reward hacking measured against the truth) is the cause whenever present; "not
+    learning" is named only when nothing else alarmed. ``run_config`` (the run's config.yaml) fills in
+    current values.
     """
     monitor = HealthMonitor(config)
     for row in rows:
         monitor.update(int(row["step"]), row)
     present = {k for row in rows for k in row}
-    unchecked = [b.name for b in monitor.bands if b.key not in present]
+    unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     phases = phase_seconds(rows)
     if not failures:
         return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows), phases=phases)
-    cause, rest = failures[0], failures[1:]
+    outcome = [a for a in failures if a.band.measure == "gold"]
+    cause = outcome[0] if outcome else failures[0]
+    rest = [a for a in failures if a is not cause]
     return Diagnosis(
         healthy=False, failure_mode=cause.failure_mode, cause_metric=cause.band.key, cause_band=cause.band.name,
         first_step=cause.onset_step, alarm_step=cause.alarm_step,
@@ -321,10 +330,13 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
                  f"  meaning: {e['meaning']}",
                  "  evidence: " + ", ".join(f"step {p['step']}: {_fmt(p['measure'])} {p['state']}"
                                             for p in e["series"])]
-        if e["chain"]:
-            lines.append("what followed (symptoms, in order):")
-            lines += [f"  step {c['onset_step']:>5}  {c['key']:<28} {c['failure_mode']} (alarm at step "
-                      f"{c['alarm_step']})" for c in e["chain"]]
+        before = [c for c in e["chain"] if c["onset_step"] < d.first_step]
+        for title, chain in (("what led there (bands out of band before it, in order):", before),
+                             ("what followed (symptoms, in order):", [c for c in e["chain"] if c not in before])):
+            if chain:
+                lines.append(title)
+                lines += [f"  step {c['onset_step']:>5}  {c['key']:<28} {c['failure_mode']} (alarm at step "
+                          f"{c['alarm_step']})" for c in chain]
         lines.append("prescriptions (in priority order):")
         for p in d.prescriptions:
             key = ""

@@ -32,8 +32,9 @@ NOT_LEARNING = "not learning"
 #   value   the metric itself
 #   recent  metric / median of its previous `window` values          (sudden jumps and drops)
 #   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
-#   gold    best-so-far gold metric − gold metric, at evaluations where the reward is above its value at
-#           that best evaluation (0 otherwise): "reward rising while the held-out gold metric falls"
+#   gold    how far the gold metric (a proportion, e.g. accuracy) lies below its best evaluation so far, in
+#           standard errors of that difference (z), at evaluations where the reward is above its value at
+#           the best evaluation (0 otherwise): "reward rising while the held-out gold metric falls"
 MEASURES = ("value", "recent", "early", "gold")
 
 
@@ -55,6 +56,7 @@ class Band:
     # other rows are skipped like rows without the band's own metric
     only_if: tuple[str, float | None, float | None] | None = None
     persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
+    needs: tuple[str, ...] = ()  # other keys the measure reads (a band without them is not checked)
 
     def state(self, m: float) -> str:
         if not math.isfinite(m):
@@ -92,7 +94,7 @@ class Band:
         return " or ".join(parts)
 
     def unit(self) -> str:
-        return {"recent": "× recent median", "early": "× early median", "gold": " drop from best"}.get(
+        return {"recent": "× recent median", "early": "× early median", "gold": " σ below best"}.get(
             self.measure, "")
 
 
@@ -105,8 +107,15 @@ BANDS: tuple[Band, ...] = (
          "share of tokens whose ratio hit the clip; > 50% = severely off-policy"),
     Band("kl_mean", "objective/kl", "value", (0.01, 0.1), None, 0.5, KL_EXPLOSION,
          "mean per-token KL to the reference; the tether is slipping"),
-    Band("kl_max", "objective/kl_max", "value", (None, 1.0), None, 5.0, KL_EXPLOSION,
-         "largest per-token KL to the reference; a few tokens have run away (gibberish, repetition)"),
+    # "KL max per token" (reference D.2) judged on the 99th percentile of the batch's per-token KL, not its
+    # maximum: the max of B·T single-sample estimates is an extreme-value statistic that grows with batch
+    # size and response length, and one token decides it. In the demo's β = 0.2 run (1,000 tokens a step) the
+    # max was 6.3 and the 99th percentile 3.5 (exact per-position KL, Σ_v π log(π/π_ref): 5.5 and 3.4), the
+    # top tokens a character policy changing a digit the reference held at p = 0.001–0.004. At least 1% of
+    # tokens must run away to alarm.
+    Band("kl_max", "objective/kl_p99", "value", (None, 1.0), None, 5.0, KL_EXPLOSION,
+         "99th percentile of the per-token KL to the reference (its max, robust to a handful of tokens); "
+         "high = a share of tokens has run away (gibberish, repetition)"),
     Band("value_loss", "value/loss", "recent", (None, 2.0), None, 5.0, VALUE_COLLAPSE,
          "critic loss against its recent median; should fall, a jump = reward outlier or critic LR too high",
          warmup=True),
@@ -119,8 +128,13 @@ BANDS: tuple[Band, ...] = (
          "mean response length against the start of the run; collapse = degenerate short outputs"),
     Band("length_surge", "response/length_mean", "early", (None, 1.5), None, 2.0, REWARD_HACKING,
          "mean response length against the start of the run; surge = the reward model's length bias is gamed"),
-    Band("gold_drop", "eval/accuracy", "gold", (None, 0.05), None, 0.1, REWARD_HACKING,
-         "held-out gold metric below its best while the reward kept rising (Goodhart)"),
+    # A drop is judged by its significance, not by a fixed number of points: an evaluation of n prompts
+    # has a standard error of sqrt(p(1-p)/n), ~3 points at n = 250, so a fixed 10-point band misses a real
+    # 9-point fall at n = 500 and cries wolf on noise at n = 32. z > 3 (one-sided p ≈ 0.001) held for two
+    # evaluations is an alarm; z > 2 a warning.
+    Band("gold_drop", "eval/accuracy", "gold", (None, 2.0), None, 3.0, REWARD_HACKING,
+         "held-out gold metric significantly below its best evaluation while the reward kept rising (Goodhart)",
+         needs=("eval/n",)),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
          "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
          "it barely moves (LR too low? no advantage signal?)",
@@ -233,7 +247,7 @@ class _Tracker:
         self.band, self.config = band, config
         self.need = getattr(config, band.persistence)
         self.history: list[float] = []  # raw values seen (for the recent/early baselines)
-        self.best: tuple[float, float] | None = None  # gold: (best gold metric, reward at that eval)
+        self.best: tuple[float, float, float] | None = None  # gold: (best gold metric, reward, n at that eval)
         self.trace: list[Point] = []
         self.seen = 0  # values of the metric seen, judged or not
         self.seen_ok = False
@@ -260,14 +274,16 @@ class _Tracker:
                 return None
             base = statistics.median(self.history[:cfg.baseline_steps])
             return value / base if base > 0 else None
-        # gold: needs a reward on the same row
+        # gold: needs a reward and the evaluation's size on the same row
         reward = next((float(row[k]) for k in REWARD_KEYS if _number(row.get(k)) is not None), None)
-        if reward is None:
+        n = _number(row.get("eval/n"))
+        if reward is None or n is None or n < 1:
             return None
         if self.best is None or value >= self.best[0]:
-            self.best = (value, reward)
+            self.best = (value, reward, n)
             return 0.0
-        return self.best[0] - value if reward > self.best[1] else 0.0
+        best, best_reward, best_n = self.best
+        return drop_z(best, best_n, value, n) if reward > best_reward else 0.0
 
     def update(self, step: int, row: dict) -> Alert | None:
         value = _number(row.get(self.band.key))
@@ -306,6 +322,17 @@ class _Tracker:
     @property
     def in_alarm(self) -> bool:
         return self.alarm_len >= self.need
+
+
+def drop_z(p_best: float, n_best: float, p: float, n: float) -> float:
+    """z of the drop from proportion ``p_best`` (of ``n_best`` trials) to ``p`` (of ``n``): the difference
+    over its standard error, unpaired, both computed with one success and one failure added to each side
+    (Agresti & Caffo 2000), so that 0% or 100% evaluations still have an error. Unpaired is conservative here: the
+    evaluations share their prompts, which correlates them and makes the true error smaller."""
+    a = (p_best * n_best + 1) / (n_best + 2)
+    b = (p * n + 1) / (n + 2)
+    se = math.sqrt(a * (1 - a) / (n_best + 2) + b * (1 - b) / (n + 2))
+    return (a - b) / se
 
 
 def _number(x) -> float | None:

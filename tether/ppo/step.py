@@ -167,6 +167,10 @@ def objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean: 
             "objective/rlhf_reward": p.global_mean(masked_mean(rewards.sum(dim=1), valid)),
             "objective/kl": kl_mean,
             "objective/kl_max": p.global_max(kl[mask.bool()].max() if mask.any() else kl.new_zeros(())),
+            # the health band's measure: a quantile is a property of the policy, the max grows with B·T
+            # (several processes: the largest of their quantiles)
+            "objective/kl_p99": p.global_max(kl[mask.bool()].float().quantile(0.99) if mask.any()
+                                             else kl.new_zeros(())),
             "objective/kl_sequence": p.global_mean(kl.sum(dim=1).mean()),
             "objective/kl_coef": beta}
 
