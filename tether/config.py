@@ -177,11 +177,12 @@ def _set(cfg, key: str, value: Any, where: str) -> None:
     setattr(obj, f.name, value)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> ``{"kl.coef": 0.05}`` (dotted keys, as in YAML and flags)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, prefix + str(k) + "."))
+            out.update(flatten(v, prefix + str(k) + "."))
         else:
             out[prefix + str(k)] = v
     return out
@@ -202,7 +203,7 @@ def load_yaml(cfg, path: str | Path) -> None:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
-    for key, value in _flatten(data).items():
+    for key, value in flatten(data).items():
         _set(cfg, key, value, f"{path}: key '{key}'")
 
 
@@ -252,6 +253,6 @@ def save_config(cfg, path: str | Path) -> None:
 def config_from_dict(cls, data: dict, where: str = "config"):
     """Rebuild a config from :func:`config_to_dict` output (e.g. a saved run)."""
     cfg = cls()
-    for key, value in _flatten(data).items():
+    for key, value in flatten(data).items():
         _set(cfg, key, value, f"{where}: key '{key}'")
     return cfg

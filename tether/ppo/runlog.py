@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from tether.config import config_to_dict, save_config
+from tether.config import config_to_dict, flatten, save_config
 from tether.errors import TetherError
 
 
@@ -83,15 +83,9 @@ def check_trackers(names: list[str]) -> None:
             raise TetherError(f"--log-with {name}: the {name} package is not installed (pip install {name})")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def _flat(d: dict) -> dict:
     """Nested config -> flat ``{"kl.coef": 0.05}`` with scalar values (trackers' hyper-parameter tables)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(d).items()}
 
 
 class RunLog:

@@ -118,28 +118,21 @@ def check_same_config(cfg, run_dir: Path) -> None:
     ones: the first difference is a one-line error."""
     import yaml
 
-    from tether.config import config_to_dict
+    from tether.config import config_to_dict, flatten
 
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return
     try:
-        saved = _flat_dict(yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {})
+        saved = flatten(yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {})
     except (yaml.YAMLError, AttributeError):
         raise TetherError(f"{saved_path}: not a readable config; cannot check --resume against it") from None
-    for key, value in _flat_dict(config_to_dict(cfg)).items():
+    for key, value in flatten(config_to_dict(cfg)).items():
         if key.startswith(RESUMABLE_CHANGES) or key == "output_dir" or key not in saved:
             continue
         if saved[key] != value:
             raise TetherError(f"--resume: {key} is {value!r} but the run in {run_dir} was made with {saved[key]!r} "
                               f"(config.yaml); resume with the same settings or start a new --output-dir")
-
-
-def _flat_dict(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat_dict(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def checkpoint_due(run, cfg, step: int, last_save: float) -> bool:
