@@ -2,7 +2,8 @@
 """`tether demo` over several seeds: does the story hold, or was one run lucky?
 
 Runs the demo once per seed, each in a fresh process (as a user would: `tether demo --seed N`), one at a
-time, then prints one row per seed: SFT, reward model (held-out pairwise accuracy), PPO with β > 0 and
+time or `--parallel K` at once (one torch thread each: on a 2-core machine `--parallel 2` halves the wall
+time and each run's own seconds grow by the memory-bandwidth contention), then prints one row per seed: SFT, reward model (held-out pairwise accuracy), PPO with β > 0 and
 with β = 0 (held-out gold accuracy, greedy, Wilson 95% intervals; paired McNemar p against SFT), whether
 β = 0 shows the proxy-up/gold-down split, the doctor's verdict on both PPO runs, and wall seconds. The
 last lines count the seeds where the story held:
@@ -11,7 +12,7 @@ last lines count the seeds where the story held:
   split  β = 0 raised the reward model's score on held-out prompts (last evaluation above the step-0 one)
          while its gold accuracy fell below SFT's with McNemar p < 0.05
 
-Usage: python bench/demo_seeds.py [--seeds 0-4 | --seeds 0,3] [--quick] [--root runs/demo_seeds]
+Usage: python bench/demo_seeds.py [--seeds 0-4 | --seeds 0,3] [--quick] [--parallel 2] [--root runs/demo_seeds]
        [--table-only]   (re-read finished runs under --root without running anything)
 Seconds are wall time and grow with whatever else the machine is doing.
 """
@@ -101,15 +102,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tether demo --quick")
     ap.add_argument("--root", default="runs/demo_seeds", help="one folder per seed under it [runs/demo_seeds]")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run [1]")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once [1]")
     ap.add_argument("--table-only", action="store_true", help="only tabulate finished runs under --root")
     args = ap.parse_args()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     seeds = parse_seeds(args.seeds)
     if not args.table_only:
-        for seed in seeds:
-            seconds = run_seed(root, seed, args.quick, args.threads)
-            print(f"seed {seed}: {seconds:.0f} s", flush=True)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, args.parallel)) as pool:  # threads only wait on the subprocesses
+            runs = {seed: pool.submit(run_seed, root, seed, args.quick, args.threads) for seed in seeds}
+            for seed, seconds in runs.items():
+                print(f"seed {seed}: {seconds.result():.0f} s", flush=True)
     print_table([row(root, s) for s in seeds if (root / f"seed_{s}" / "results.json").is_file()])
 
 

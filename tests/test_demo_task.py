@@ -105,8 +105,8 @@ def test_problems_are_well_formed_deterministic_and_distinct():
     for p in a:
         x, y = p["prompt"][:3], p["prompt"][4:7]
         assert len(p["prompt"]) == 8 and p["prompt"][3] == "+" and p["prompt"][7] == "="
-        assert p["answer"] == str(int(x) + int(y))
-        assert p["answer"] == str(int(p["answer"]))  # no leading zeros
+        assert p["answer"] == str(int(x) + int(y))[::-1]  # the sum, units digit first
+        assert p["answer"][-1] != "0" or p["answer"] == "0"  # no leading zeros (they would come last)
     assert make_problems(5, seed=1, exclude={p["prompt"] for p in make_problems(5, seed=1)}) != make_problems(5, 1)
 
 
@@ -115,7 +115,7 @@ def test_two_digit_variant_can_use_the_whole_space():
     prompts = {p["prompt"] for p in train} | {p["prompt"] for p in held}
     assert len(prompts) == 10_000  # every 2-digit problem, each exactly once
     assert all(len(p) == 6 for p in prompts)
-    assert all(p["answer"] == str(int(p["prompt"][:2]) + int(p["prompt"][3:5])) for p in held)
+    assert all(p["answer"] == str(int(p["prompt"][:2]) + int(p["prompt"][3:5]))[::-1] for p in held)
     with pytest.raises(ValueError):
         make_problems(9501, seed=0, exclude={p["prompt"] for p in held}, digits=2)
 
@@ -131,15 +131,16 @@ def test_split_is_disjoint_and_held_out_does_not_depend_on_n_train():
 
 def test_gold_reward_hand_written_cases():
     prompts = ["123+045="] * 8 + ["000+000=", "999+999="]
-    responses = ["168", "167", "168 ", " 168", "0168", "1680", "", "-168", "0", "1998"]
+    # 123 + 45 = 168, written units first: "861"; the usual order "168" is wrong
+    responses = ["861", "168", "861 ", " 861", "8610", "0861", "", "-861", "0", "8991"]
     assert gold_reward(prompts, responses) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     # the prompt row's answer column is used when given (a rule sees extra columns as keyword lists)
     assert gold_reward(["123+045="], ["168"], answer=["999"], other=["x"]) == [0.0]
     assert gold_reward(["123+045="], ["168"], answer=[168]) == [1.0]  # a number read from JSON
-    assert solve("999+001=") == "1000"
+    assert solve("999+001=") == "0001" and solve("500+500=") == "0001" and solve("010+000=") == "01"
     with pytest.raises(ValueError):
         gold_reward(["123+045="], ["168", "168"])
-    assert solve("07+05=") == "12"  # the 2-digit variant
+    assert solve("07+05=") == "21"  # the 2-digit variant
     for bad in ["12+345=", "123-045=", "123+045", "+=", "12a+045="]:
         with pytest.raises(ValueError):
             solve(bad)
@@ -213,6 +214,15 @@ def test_sft_to_accuracy_stops_at_the_first_check_that_reaches_the_target(tok, m
     missed = sft_to_accuracy(model, tok, train, dev, target=0.99, max_steps=3, check_every=2, batch_size=8,
                              progress=False)
     assert missed["steps"] == 3 and missed["dev_curve"] == [(2, 0.2), (3, 0.4)] and not missed["reached"]
+
+
+def test_sft_to_accuracy_checks_every_fine_every_steps_once_half_way(tok, monkeypatch):
+    it = iter([0.1, 0.3, 0.45, 0.5, 0.7])
+    monkeypatch.setattr(sft_mod, "gold_accuracy", lambda model, tokenizer, dev, **kwargs: {"accuracy": next(it)})
+    out = sft_to_accuracy(tiny_policy(tok), tok, make_problems(64, seed=0), make_problems(8, seed=1), target=0.6,
+                          max_steps=40, check_every=10, fine_every=3, batch_size=8, progress=False)
+    # coarse at 10 and 20 (0.3 = target / 2 reached there), then at every multiple of 3: 21, 24, 27
+    assert out["dev_curve"] == [(10, 0.1), (20, 0.3), (21, 0.45), (24, 0.5), (27, 0.7)] and out["steps"] == 27
 
 
 def test_sft_to_accuracy_can_stop_at_pass_at_k(tok, monkeypatch):

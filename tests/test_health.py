@@ -145,6 +145,22 @@ def test_gold_drop_needs_reward_rising():
         assert m.update(step, {"eval/accuracy": acc, "objective/scores_raw": -step, "eval/n": 200}) == []
 
 
+def test_gold_drop_holds_while_a_flat_reward_wobbles_and_ends_when_the_reward_gives_back_its_gain():
+    # demo seed 1, beta = 0 (n = 250): the reward flat after step 10, a hair under its step-10 value at 30
+    evals = [(0.664, 0.2947), (0.688, 0.5075), (0.492, 0.5123), (0.432, 0.5045), (0.368, 0.5294)]
+    assert min(_z(0.688, 250, acc, 250) for acc, _ in evals[2:]) > 3
+    m = HealthMonitor()
+    got = {10 * s: a for s, (acc, rew) in enumerate(evals)
+           for a in m.update(10 * s, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 250})}
+    (step, a), = got.items()  # confirmed at step 30 (two evaluations in alarm), in alarm since step 20
+    assert (step, a.band.name, a.alarm_step, a.onset_step) == (30, "gold_drop", 20, 20)
+    # the same fall with the reward back below half its gain (0.2947 + 0.213 / 2 = 0.401): not Goodhart
+    m = HealthMonitor()
+    fell = [(0.664, 0.2947), (0.688, 0.5075), (0.492, 0.40), (0.432, 0.39)]
+    assert all(m.update(s, {"eval/accuracy": a, "eval/reward": r, "eval/n": 250}) == [] for s, (a, r) in enumerate(fell))
+    assert [p.measure for p in m.trace("gold_drop")][2:] == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("n, alarmed", [(32, False), (1000, True)])
 def test_gold_drop_is_judged_by_its_significance_not_its_size(n, alarmed):
     # the same 10-point fall (50% -> 40%, twice) is noise on 32 prompts and a real fall on 1000

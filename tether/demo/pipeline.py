@@ -1,7 +1,7 @@
 """``tether demo``: the whole story on a CPU in minutes, with nothing downloaded (SPEC E, B15).
 
   (a) a character tokenizer and a tiny GPT-2 built from a config;
-  (b) SFT on 3-digit addition (``tether.demo.task``) until the policy is partly competent; its gold
+  (b) SFT on 2-digit addition, answers written units first (``tether.demo.task``), until the policy is partly competent; its gold
       accuracy on held-out prompts;
   (c) preference pairs from real samples of the SFT policy, labelled by the gold rule (correct ≻ wrong);
   (d) a reward model trained on them (Stage A), its held-out accuracy and the A4 verdict;
@@ -29,6 +29,7 @@ import torch
 class DemoSettings:
     """Sizes and budgets of one demo mode (full, or --quick for CI)."""
 
+    digits: int  # operand digits: 2 = "12+34=" (10^4 problems)
     n_train: int
     n_eval: int
     sft_max_steps: int
@@ -43,13 +44,13 @@ class DemoSettings:
     eval_n: int
 
 
-FULL = DemoSettings(n_train=50000, n_eval=500, sft_max_steps=2000, sft_target=0.85, pair_prompts=5000,
-                    samples_per_prompt=8, rm_backbone_steps=500, rm_epochs=5, ppo_steps=40, ppo_batch=256,
+FULL = DemoSettings(digits=2, n_train=9500, n_eval=500, sft_max_steps=2000, sft_target=0.85, pair_prompts=5000,
+                    samples_per_prompt=8, rm_backbone_steps=300, rm_epochs=5, ppo_steps=40, ppo_batch=256,
                     eval_every=10, eval_n=250)
-QUICK = DemoSettings(n_train=20000, n_eval=200, sft_max_steps=1200, sft_target=0.6, pair_prompts=1000,
-                     samples_per_prompt=6, rm_backbone_steps=200, rm_epochs=2, ppo_steps=6, ppo_batch=32,
-                     eval_every=2, eval_n=64)
-BETA = 0.2  # measured: 0.05 let PPO drift into the reward model's errors (gold accuracy fell)
+QUICK = DemoSettings(digits=2, n_train=9500, n_eval=200, sft_max_steps=1200, sft_target=0.85, pair_prompts=2000,
+                     samples_per_prompt=8, rm_backbone_steps=300, rm_epochs=2, ppo_steps=8, ppo_batch=64,
+                     eval_every=4, eval_n=100)
+BETA = 0.2  # 5 seeds (docs/demo.md): lift +5.0 to +19.4, p < 0.05 in 5/5; 0.3: +3.4 to +8.6, 4/5; 0.1 over-optimised
 
 
 def add_arguments(parser) -> None:
@@ -128,19 +129,18 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     with stages("a. tokenizer and tiny policy from a config"):
         tokenizer = build_tokenizer(out / "sft")
         policy = build_policy(tokenizer, seed=seed)
-        train, held_out = split_problems(seed, settings.n_train, settings.n_eval)
+        train, held_out = split_problems(seed, settings.n_train, settings.n_eval, digits=settings.digits)
         dev, train = train[:200], train[200:]
         print(f"   GPT-2 {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters, "
               f"{len(tokenizer)}-token character vocabulary; {len(train)} train / {len(held_out)} held-out problems")
 
-    with stages("b. SFT on 3-digit addition"):
+    with stages("b. SFT on addition"):
         # Stopped when the right answer is within reach of sampling for most dev problems (pass@8), since
-        # that is all RL can amplify. Stopped at 50% greedy accuracy instead, seed 0 landed between two
-        # jumps: 45% held-out, the units digit of 3-digit answers not yet learned (written as a near-
-        # constant 3), so PPO never sampled it and moved the mass to other wrong digits the reward model
-        # disliked less (3 -> 7); 100 more SFT steps would have taken it to 84%.
+        # that is all RL can amplify. Stopped at a greedy target instead, the former 3-digit task's seed 0
+        # landed between two jumps (a units digit not yet learned, written as a near-constant), so PPO never
+        # sampled it and moved the mass to other wrong digits the reward model disliked less (docs/demo.md).
         sft = sft_to_accuracy(policy, tokenizer, train, dev, settings.sft_target, settings.sft_max_steps,
-                              check_every=50, pass_k=8, seed=seed, batch_size=64, lr=1e-3, progress=False)
+                              check_every=25, fine_every=5, pass_k=8, seed=seed, batch_size=64, lr=1e-3, progress=False)
         policy.save_pretrained(out / "sft")
         sft_eval = gold_accuracy(policy, tokenizer, held_out)
         print(f"   {sft['steps']} SFT steps (dev pass@8 {100 * sft['dev_curve'][-1][1]:.0f}%); held-out gold "
@@ -162,9 +162,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
                   progress=False)
         policy.save_pretrained(out / "rm_backbone")
         # The reward model reads its score at an [EOS] after the reply. Read at the reply's last digit, the
-        # score sat at a different position for 3- and 4-digit answers, and the head learned a check only for
-        # the first: with seed 0 it ranked a correct 4-digit answer above the same answer with its units digit
-        # changed 50% of the time (chance), 100% with the [EOS] (and the 3-digit check stayed at 99%).
+        # score sat at a different position for answers of different lengths, and the head learned a check
+        # for one length only (measured on the former 3-digit task: 50% vs 100% for 4-digit answers).
         build_tokenizer(out / "rm_backbone", eos_after_text=True)
         rm_eval = train_demo_rm(out, pairs, settings, seed)
 
@@ -202,7 +201,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
         from tether.diagnostics.report import write_report
 
         write_report([runs[f"beta_{BETA:g}"], runs["beta_0"]], out / "report.html",
-                     title=f"tether demo: PPO on 3-digit addition, beta = {BETA:g} vs beta = 0",
+                     title=f"tether demo: PPO on {settings.digits}-digit addition, beta = {BETA:g} vs beta = 0",
                      extra_html=summary_html(results, exhibits))
     results["environment"] = environment()
     results["stage_seconds"] = stages.seconds

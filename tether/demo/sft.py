@@ -146,6 +146,7 @@ def sft_to_accuracy(
     max_steps: int,
     check_every: int = 50,
     pass_k: int = 0,
+    fine_every: int = 0,
     **sft_kwargs: Any,
 ) -> dict[str, Any]:
     """SFT until the dev metric reaches ``target``, checked every ``check_every`` steps: greedy gold
@@ -156,7 +157,10 @@ def sft_to_accuracy(
     machine), so a fixed step count can leave the policy anywhere from 10% to 85%; stopping at a target
     gives PPO a comparable start. pass@k is the better target for RL: RL can only make likelier what the
     policy already samples, and a greedy target can stop between two jumps, e.g. with a units digit not yet
-    learned and written as a near-constant, which no amount of sampling then finds. ``dev`` must be
+    learned and written as a near-constant, which no amount of sampling then finds. With ``fine_every`` > 0
+    the checks come every ``fine_every`` steps once the metric has reached half the target: a jump can
+    carry pass@8 from 56% to 93% in 75 steps (2-digit task, seed 3), and stopped anywhere on that climb
+    the policy starts PPO at 65% or at 79% greedy, with a ceiling near 88% either way. ``dev`` must be
     problems the policy is not trained on and not the
     held-out set that later judges PPO (e.g. a slice cut off the train list). Returns ``sft_train``'s
     stats (``seconds`` excludes the dev checks) plus ``reached`` (bool) and ``dev_curve``:
@@ -165,7 +169,8 @@ def sft_to_accuracy(
     curve: list[tuple[int, float]] = []
 
     def check(step: int, _loss: float) -> bool:
-        if step % check_every and step != max_steps:
+        close = fine_every > 0 and bool(curve) and curve[-1][1] >= target / 2
+        if step % (fine_every if close else check_every) and step != max_steps:
             return False
         if pass_k:
             acc = pass_at_k(model, tokenizer, dev, pass_k, seed=step)

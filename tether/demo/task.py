@@ -2,9 +2,20 @@
 
 Task. A prompt is two zero-padded operands and an equals sign, ``"123+045="`` (always
 ``prompt_width()`` = 8 characters, so a batch of prompts needs no padding and every answer starts at the
-same position); the answer is the sum written without padding, ``"168"`` (1–4 digits, 0..1998). The
-policy learns to write the answer and then ``[EOS]``. There are 1000 × 1000 = 10⁶ distinct problems;
-``digits=2`` gives the 10⁴-problem variant ``"12+34="``.
+same position); the answer is the sum written **units digit first**, without padding: 123 + 45 = 168 is
+answered ``"861"`` (1–4 digits, 0..1998 reversed; 999 + 1 = 1000 is ``"0001"``). The policy learns to
+write the answer and then ``[EOS]``. There are 1000 × 1000 = 10⁶ distinct problems; ``digits=2`` gives
+the 10⁴-problem variant ``"12+34="`` → ``"64"``.
+
+Why units first. Written the usual way, the first digit of a sum depends on every carry below it: a small
+model must finish the whole addition before it writes anything, and a reward model that reads the answer
+must redo it to check any digit but the last. Written units first, each digit depends only on the two
+operand digits at its place and the carry out of the digit just written, the order in which people add by
+hand (Lee et al. 2023, "Teaching arithmetic to small transformers", found the same for learning). Measured
+here with the 3-layer policy below (issue #18, ``docs/demo.md``): with 3-digit operands the usual order
+needed up to 2,000 SFT steps to reach a useful start and gave a reward model that checked the units digit
+only; units first, SFT got there in 400 steps, but the reward model still reached only 72% on held-out
+pairs. The demo therefore uses ``digits=2``: SFT in 200–300 steps, a reward model at 80–94%.
 
 Gold rule. A response — the text the policy generated, decoded *without* special tokens — is correct
 iff it equals the answer exactly: no surrounding spaces, no leading zeros, no extra text
@@ -13,14 +24,10 @@ iff it equals the answer exactly: no surrounding spaces, no leading zeros, no ex
 to have ended with ``[EOS]``: a response cut off by ``max_new_tokens`` is wrong even if its text
 matches. During PPO, whether a response ended with EOS is the trainer's business (SPEC B1/B4).
 
-Why this task. With the 0.6M-parameter policy below, SFT on a 2-core CPU (about 20 steps/s at batch 64,
-12 at batch 128, when the machine is otherwise idle) takes the policy from 0% to 80–90% held-out exact
-match in one to two minutes, in sudden jumps, so it can be stopped while *partially* competent, leaving
-room for RL (``shared/notes/demo-feasibility.md``: gold-reward RL from ~33% reaches ~44% in 3 minutes).
-When the jump comes varies with the seed: at batch 128, 500 steps gave 37% greedy accuracy with seed 0
-and 1% with seed 1, so ``tether.demo.sft.sft_to_accuracy`` stops at a target accuracy instead of a
-fixed step count. 2-digit addition was not reliably faster in our runs (17% vs 81% after 600 steps
-across two seeds); three operands learn too slowly for a CPU demo.
+Why this task. With the 0.6M-parameter policy below, SFT on a 2-core CPU learns addition in sudden jumps,
+so it can be stopped while *partially* competent, leaving room for RL (``shared/notes/demo-feasibility.md``:
+gold-reward RL from ~33% reaches ~44% in 3 minutes). When the jump comes varies with the seed, so
+``tether.demo.sft.sft_to_accuracy`` stops at a target (dev pass@8) instead of a fixed step count.
 
 Train and held-out problems are drawn from separate seeded streams and never overlap
 (``split_problems``); the held-out set depends only on ``(seed, n_eval)``, not on ``n_train``.
@@ -44,21 +51,26 @@ def prompt_width(digits: int = DIGITS) -> int:
     return 2 * digits + 2
 
 
+def answer_text(total: int) -> str:
+    """How the task writes a sum: its decimal digits, units first (``168`` → ``"861"``, ``1000`` → ``"0001"``)."""
+    return str(total)[::-1]
+
+
 def problem(a: int, b: int, digits: int = DIGITS) -> dict[str, str]:
-    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": str(a + b)}`` (operands zero-padded)."""
+    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": answer_text(a + b)}`` (operands zero-padded)."""
     if digits < 1 or not (0 <= a < 10**digits and 0 <= b < 10**digits):
         raise ValueError(f"operands must be in 0..{10**digits - 1}, got {a} and {b}")
-    return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": str(a + b)}
+    return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": answer_text(a + b)}
 
 
 def solve(prompt: str) -> str:
-    """The gold answer of a prompt ``"aaa+bbb="`` (operands of equal width); ``ValueError`` otherwise."""
+    """The gold answer (units first) of a prompt ``"aaa+bbb="`` (operands of equal width); ``ValueError`` otherwise."""
     left, plus, right = prompt.partition("+")
     a, b = left, right[:-1]
     well_formed = plus and right.endswith("=") and len(a) == len(b) > 0
     if not (well_formed and a.isascii() and b.isascii() and a.isdigit() and b.isdigit()):
         raise ValueError(f"not a demo prompt (expected 'aaa+bbb='): {prompt!r}")
-    return str(int(a) + int(b))
+    return answer_text(int(a) + int(b))
 
 
 def make_problems(
@@ -104,8 +116,8 @@ def gold_reward(
 
     ``answer`` (a column of the prompt rows, one per prompt) is used when given; otherwise each answer
     is solved from its prompt. Other columns in ``fields`` are ignored. Exact match on the text only:
-    ``"168"`` is right for ``"123+045="``; ``" 168"``, ``"0168"``, ``"168 "``, ``"1680"`` and ``""`` are
-    wrong. EOS is not visible here (see the module docstring).
+    ``"861"`` is right for ``"123+045="``; ``"168"`` (the usual order), ``" 861"``, ``"8610"``, ``"861 "``
+    and ``""`` are wrong. EOS is not visible here (see the module docstring).
     """
     if len(prompts) != len(responses):
         raise ValueError(f"gold_reward: {len(prompts)} prompts but {len(responses)} responses")

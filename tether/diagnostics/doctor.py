@@ -2,7 +2,7 @@
 
 The cause is the first metric, in time, to leave its healthy band on the way to an alarm; the bands that
 alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6) — with one
-exception: a significant fall of the held-out gold metric while the reward rises (the ``gold_drop`` band)
+exception: a significant fall of the held-out gold metric while the reward keeps its gain (the ``gold_drop`` band)
 is the verdict whenever it alarms. It is the only band that measures the outcome against the task's truth,
 and it is reward hacking by definition, whatever moved first; the bands that left earlier (typically the
 KL: the tether slipping, e.g. with β = 0) are listed as the route the run took. The rules are

@@ -33,8 +33,9 @@ NOT_LEARNING = "not learning"
 #   recent  metric / median of its previous `window` values          (sudden jumps and drops)
 #   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
 #   gold    how far the gold metric (a proportion, e.g. accuracy) lies below its best evaluation so far, in
-#           standard errors of that difference (z), at evaluations where the reward is above its value at
-#           the best evaluation (0 otherwise): "reward rising while the held-out gold metric falls"
+#           standard errors of that difference (z), at evaluations where the reward has kept most of its gain:
+#           above its value at the best evaluation less half the rise from the first evaluation to then
+#           (0 otherwise): "the proxy still says better while the held-out gold metric falls"
 MEASURES = ("value", "recent", "early", "gold")
 
 
@@ -133,7 +134,7 @@ BANDS: tuple[Band, ...] = (
     # 9-point fall at n = 500 and cries wolf on noise at n = 32. z > 3 (one-sided p ≈ 0.001) held for two
     # evaluations is an alarm; z > 2 a warning.
     Band("gold_drop", "eval/accuracy", "gold", (None, 2.0), None, 3.0, REWARD_HACKING,
-         "held-out gold metric significantly below its best evaluation while the reward kept rising (Goodhart)",
+         "held-out gold metric significantly below its best evaluation while the reward kept at least half its gain (Goodhart)",
          needs=("eval/n",)),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
          "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
@@ -248,6 +249,7 @@ class _Tracker:
         self.need = getattr(config, band.persistence)
         self.history: list[float] = []  # raw values seen (for the recent/early baselines)
         self.best: tuple[float, float, float] | None = None  # gold: (best gold metric, reward, n at that eval)
+        self.first_reward: float | None = None  # gold: the reward at the first evaluation
         self.trace: list[Point] = []
         self.seen = 0  # values of the metric seen, judged or not
         self.seen_ok = False
@@ -279,11 +281,18 @@ class _Tracker:
         n = _number(row.get("eval/n"))
         if reward is None or n is None or n < 1:
             return None
+        if self.first_reward is None:
+            self.first_reward = reward
         if self.best is None or value >= self.best[0]:
             self.best = (value, reward, n)
             return 0.0
         best, best_reward, best_n = self.best
-        return drop_z(best, best_n, value, n) if reward > best_reward else 0.0
+        # Not "above the reward at the best evaluation": a flat reward wobbles around it, and a wobble
+        # below reset the stretch (demo seed 1, beta = 0: gold 69 -> 49 -> 43 -> 37% while the reward went
+        # 0.508 -> 0.512 -> 0.505 -> 0.529 was never named). A proxy that kept half its gain still says
+        # "better" while gold says worse; one that fell with gold is a collapse, not Goodhart.
+        floor = best_reward - max(0.0, best_reward - self.first_reward) / 2
+        return drop_z(best, best_n, value, n) if reward > floor else 0.0
 
     def update(self, step: int, row: dict) -> Alert | None:
         value = _number(row.get(self.band.key))
