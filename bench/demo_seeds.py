@@ -3,7 +3,8 @@
 
 Runs the demo once per seed, each in a fresh process (as a user would: `tether demo --seed N`), one at a
 time or `--parallel K` at once (one torch thread each: on a 2-core machine `--parallel 2` halves the wall
-time and each run's own seconds grow by the memory-bandwidth contention), then prints one row per seed: SFT, reward model (held-out pairwise accuracy), PPO with β > 0 and
+time and each run's own seconds grow by the memory-bandwidth contention), then prints one row per seed:
+SFT, reward model (held-out pairwise accuracy), PPO with β > 0 and
 with β = 0 (held-out gold accuracy, greedy, Wilson 95% intervals; paired McNemar p against SFT), whether
 β = 0 shows the proxy-up/gold-down split, the doctor's verdict on both PPO runs, and wall seconds. The
 last lines count the seeds where the story held:

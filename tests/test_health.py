@@ -157,7 +157,8 @@ def test_gold_drop_holds_while_a_flat_reward_wobbles_and_ends_when_the_reward_gi
     # the same fall with the reward back below half its gain (0.2947 + 0.213 / 2 = 0.401): not Goodhart
     m = HealthMonitor()
     fell = [(0.664, 0.2947), (0.688, 0.5075), (0.492, 0.40), (0.432, 0.39)]
-    assert all(m.update(s, {"eval/accuracy": a, "eval/reward": r, "eval/n": 250}) == [] for s, (a, r) in enumerate(fell))
+    for s, (acc, rew) in enumerate(fell):
+        assert m.update(s, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 250}) == []
     assert [p.measure for p in m.trace("gold_drop")][2:] == [0.0, 0.0]
 
 

@@ -1,8 +1,8 @@
 """``tether demo``: the whole story on a CPU in minutes, with nothing downloaded (SPEC E, B15).
 
   (a) a character tokenizer and a tiny GPT-2 built from a config;
-  (b) SFT on 2-digit addition, answers written units first (``tether.demo.task``), until the policy is partly competent; its gold
-      accuracy on held-out prompts;
+  (b) SFT on 2-digit addition, answers written units first (``tether.demo.task``), until the policy is
+      partly competent; its gold accuracy on held-out prompts;
   (c) preference pairs from real samples of the SFT policy, labelled by the gold rule (correct ≻ wrong);
   (d) a reward model trained on them (Stage A), its held-out accuracy and the A4 verdict;
   (e) PPO against the reward model — not the gold rule — with β > 0, and the same run with β = 0;

@@ -18,7 +18,8 @@ only; units first, SFT got there in 400 steps, but the reward model still reache
 pairs. The demo therefore uses ``digits=2``: SFT in 200–300 steps, a reward model at 80–94%.
 
 Gold rule. A response — the text the policy generated, decoded *without* special tokens — is correct
-iff it equals the answer exactly: no surrounding spaces, no leading zeros, no extra text
+iff it equals the answer exactly: no surrounding spaces, no zeros after the sum's highest digit (its
+leading zeros, written units first), no extra text
 (``gold_reward``). The rule sees text only. The SFT/evaluation helpers in ``tether.demo.sft`` and
 ``tether.demo.pairs`` (``gold_accuracy``, ``make_preference_pairs``) additionally require the response
 to have ended with ``[EOS]``: a response cut off by ``max_new_tokens`` is wrong even if its text
@@ -39,7 +40,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-DIGITS = 3  # the default task; ``digits=2`` gives the easier variant (for a quick demo)
+DIGITS = 3  # these functions' default; ``tether demo`` uses ``digits=2`` (see "Why units first")
 PAD, EOS, UNK = "[PAD]", "[EOS]", "[UNK]"
 # Digits and the task's symbols, plus a space and lowercase letters so that a policy drifting off-task
 # (e.g. PPO with β = 0 gaming a reward model) can write something other than digits, visibly.

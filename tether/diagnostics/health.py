@@ -33,7 +33,7 @@ NOT_LEARNING = "not learning"
 #   recent  metric / median of its previous `window` values          (sudden jumps and drops)
 #   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
 #   gold    how far the gold metric (a proportion, e.g. accuracy) lies below its best evaluation so far, in
-#           standard errors of that difference (z), at evaluations where the reward has kept most of its gain:
+#           standard errors of that difference (z), at evaluations where the reward kept at least half its gain:
 #           above its value at the best evaluation less half the rise from the first evaluation to then
 #           (0 otherwise): "the proxy still says better while the held-out gold metric falls"
 MEASURES = ("value", "recent", "early", "gold")
@@ -134,7 +134,8 @@ BANDS: tuple[Band, ...] = (
     # 9-point fall at n = 500 and cries wolf on noise at n = 32. z > 3 (one-sided p ≈ 0.001) held for two
     # evaluations is an alarm; z > 2 a warning.
     Band("gold_drop", "eval/accuracy", "gold", (None, 2.0), None, 3.0, REWARD_HACKING,
-         "held-out gold metric significantly below its best evaluation while the reward kept at least half its gain (Goodhart)",
+         "held-out gold metric significantly below its best evaluation while the reward kept at least half its "
+         "gain (Goodhart)",
          needs=("eval/n",)),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
          "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
