@@ -1,4 +1,4 @@
-"""The ``tether`` command: demo, train-rm, ppo, plan, doctor, report.
+"""The ``tether`` command: demo, train-rm, label-steps, ppo, plan, doctor, report.
 
 Each subcommand lives in its own module, imported only when used, exposing
 ``add_arguments(parser)`` and ``run(args) -> int``. Bad input (a :class:`~tether.errors.TetherError`)
@@ -17,6 +17,8 @@ from tether.errors import TetherError
 COMMANDS = {
     "demo": ("tether.demo.pipeline", "run the built-in task end to end: SFT -> reward model -> PPO (beta > 0 and beta = 0)"),
     "train-rm": ("tether.rm.cli", "train a Bradley-Terry reward model from preference pairs"),
+    "label-steps": ("tether.rm.label_cli", "label every step of (prompt, response) rows with a step rule, for "
+                    "train-rm --process"),
     "ppo": ("tether.ppo.cli", "optimise a policy against rewards with PPO and a KL tether"),
     "plan": ("tether.diagnostics.plan", "will this RLHF run fit? memory of the four models per phase"),
     "doctor": ("tether.diagnostics.doctor", "diagnose a PPO run from its metrics"),

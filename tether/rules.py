@@ -5,6 +5,7 @@
 response ends by stating it as "The answer is N" (or a last line ``#### N``). Use it as
 ``--reward tether.rules:math_answer`` (``tether.rules:math_answer:format_bonus=0.2``).
 ``math_correct`` is the 0/1 gold check used for ``eval/accuracy``: the same parsing, no bonus.
+``load_rule`` imports any rule named ``module:function[:key=value,...]`` (PPO reward sources, step rules).
 
 Numbers are read as people write them: ``18``, ``-7``, ``18.00`` (== 18), ``0.5``, ``.5``, ``1,234``
 (a comma only between groups of three digits), a currency sign before or after the minus
@@ -33,8 +34,10 @@ keyword ``ended_with_eos`` (one bool per response; see :func:`tether.ppo.sources
 
 from __future__ import annotations
 
+import importlib
 import re
 from fractions import Fraction
+from typing import Callable
 
 from tether.errors import TetherError
 
@@ -180,3 +183,42 @@ def char_share(prompts: list[str], responses: list[str], char: str = "7", **_) -
     that any policy can climb, for smoke tests and for watching PPO work."""
     char = str(char)  # `:char=7` arrives as the integer 7
     return [sum(ch == char for ch in r) / len(r) if r else 0.0 for r in responses]
+
+
+# --------------------------------------------------------------------------------- loading user rules
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_rule(spec: str) -> Callable:
+    """Import ``module:function[:key=value,...]``; one-line errors when it cannot be found."""
+    parts = spec.split(":")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise TetherError(f"--reward {spec}: not a reward-model directory nor a rule 'module:function'")
+    module_name, function_name = parts[0], parts[1]
+    kwargs = {}
+    for item in filter(None, ":".join(parts[2:]).split(",")):
+        if "=" not in item:
+            raise TetherError(f"--reward {spec}: rule arguments must be key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        kwargs[key.strip()] = _parse_value(value.strip())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TetherError(f"--reward {spec}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise TetherError(f"--reward {spec}: module {module_name!r} has no function {function_name!r}")
+    if kwargs:
+        base = fn
+
+        def fn(prompts, responses, **fields):
+            return base(prompts, responses, **fields, **kwargs)
+
+        fn.__name__ = function_name
+    return fn

@@ -3,7 +3,8 @@
 ``task`` defines 3-digit addition, its gold rule, the character tokenizer and the GPT-2 policy;
 ``sft`` fine-tunes the policy, generates answers and measures gold accuracy; ``pairs`` samples the SFT
 policy and labels its answers with the gold rule to make the reward model's preference pairs;
-``pipeline`` runs the whole story (``tether demo``).
+``pipeline`` runs the whole story (``tether demo``); ``steps`` is the step task (running sums, every
+step checkable by a rule) for process reward models (A9, ``bench/prm_best_of_n.py``).
 
 May import: every room below it (``tether.core``, the shared modules, ``tether.rm``, ``tether.ppo``,
 ``tether.diagnostics``): the demo is a user of the library, the top stage.

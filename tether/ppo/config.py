@@ -78,6 +78,12 @@ class RewardConfig:
     gold: str = option("auto", "rule used for eval/accuracy: module:function, 'auto' (the math rule when "
                        "prompts carry an answer) or 'none'", flag="--gold")
     batch_size: int = option(64, "reward-model scoring batch size", low=1)
+    process: str = option("per_step", "how a process reward model's step scores become rewards (A9): per_step "
+                          "(each step's min(p - threshold, 0) on the token that ends it), min (the worst step's p "
+                          "on the last token) or last (the last step's p, ORM-like)",
+                          choices=("per_step", "min", "last"), flag="--prm-reward")
+    process_threshold: float = option(0.5, "per_step: a step with P(right) >= this earns 0, below it "
+                                      "p - threshold", low=0.0, high=1.0, flag="--prm-threshold")
 
 
 @dataclass

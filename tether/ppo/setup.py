@@ -332,7 +332,8 @@ def setup(cfg) -> Run:
 
     train_rows, eval_rows = load_prompt_sets(cfg)
     policy, tokenizer, policy_path = load_policy(cfg.model)
-    sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device)
+    sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device,
+                            cfg.reward.process, cfg.reward.process_threshold)
     probe_rules(sources, train_rows[:4])
     critic = load_critic(cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path),
                          cfg.model)

@@ -1,8 +1,9 @@
-"""Reward sources and their post-processing (SPEC B4, A8).
+"""Reward sources and their post-processing (SPEC B4, A8, A9).
 
 A source maps decoded text to one score per response: ``source(prompts, responses, fields) -> (B,)``.
 Sources: a reward model directory (standardised scores, A5) — several of them form one ensemble
-(mean or min, A8) — and rules, any Python callable ``f(prompts, responses, **fields) -> list[float]``
+(mean or min, A8) — a process reward model directory (A9: per-step scores; with ``per_step`` its step rewards
+land on the tokens that end the steps, :func:`dense_step_rewards`) and rules, any Python callable ``f(prompts, responses, **fields) -> list[float]``
 named ``module:function`` (optionally ``module:function:key=value,...`` for keyword arguments).
 Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
 reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
@@ -13,7 +14,6 @@ running z-score) and clipping to [−c, c].
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from pathlib import Path
@@ -22,44 +22,7 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
-
-
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def load_rule(spec: str) -> Callable:
-    """Import ``module:function[:key=value,...]``; one-line errors when it cannot be found."""
-    parts = spec.split(":")
-    if len(parts) < 2 or not parts[0] or not parts[1]:
-        raise TetherError(f"--reward {spec}: not a reward-model directory nor a rule 'module:function'")
-    module_name, function_name = parts[0], parts[1]
-    kwargs = {}
-    for item in filter(None, ":".join(parts[2:]).split(",")):
-        if "=" not in item:
-            raise TetherError(f"--reward {spec}: rule arguments must be key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        kwargs[key.strip()] = _parse_value(value.strip())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TetherError(f"--reward {spec}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, function_name, None)
-    if not callable(fn):
-        raise TetherError(f"--reward {spec}: module {module_name!r} has no function {function_name!r}")
-    if kwargs:
-        base = fn
-
-        def fn(prompts, responses, **fields):
-            return base(prompts, responses, **fields, **kwargs)
-
-        fn.__name__ = function_name
-    return fn
+from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
 
 
 EOS_FIELD = "ended_with_eos"
@@ -162,15 +125,97 @@ class RewardModelSource:
         return self.scorer.score(prompts, responses, batch_size=self.batch_size).float().cpu()
 
 
+class ProcessRewardSource:
+    """A process reward model (A9). ``per_step``: each step's reward r_k = min(p_k − η, 0)
+    (:func:`~tether.core.steps.clipped_step_reward`) lands on the token that ends the step
+    (:func:`dense_step_rewards`); the call returns Σ_k r_k per response, the total that metrics and
+    evaluation report. ``min`` / ``last``: one score per response, min_k p_k or p_K, like any source."""
+
+    def __init__(self, directory: str, aggregation: str = "per_step", threshold: float = 0.5, batch_size: int = 64,
+                 device=None):
+        from tether.rm.model import RewardModel
+
+        self.name, self.aggregation, self.threshold, self.batch_size = directory, aggregation, threshold, batch_size
+        self.rm = RewardModel.from_pretrained(directory, device=device)
+        self.dense = aggregation == "per_step"
+        self.step_rewards: list[list[float]] = []  # per response of the last call (per_step)
+        self.step_ends: list[list[int | None]] = []  # char index ending each step (None: the response's end)
+
+    def __call__(self, prompts, responses, fields) -> torch.Tensor:
+        from tether.core.steps import aggregate_steps, clipped_step_reward, split_steps
+
+        probs = self.rm.score_steps(prompts, responses, batch_size=self.batch_size)
+        if not self.dense:
+            return torch.tensor([aggregate_steps(p, self.aggregation) for p in probs], dtype=torch.float32)
+        self.step_rewards = [clipped_step_reward(p, self.threshold).tolist() for p in probs]
+        self.step_ends = [split_steps(r, self.rm.step_separator)[1] for r in responses]
+        return torch.tensor([sum(r) for r in self.step_rewards], dtype=torch.float32)  # NaN stays NaN (B16)
+
+
+def dense_step_rewards(sources: list, response: torch.Tensor, response_mask: torch.Tensor, tokenizer
+                       ) -> torch.Tensor:
+    """(B, T) float32: the step rewards of the dense sources of the last scoring call, each on the token that
+    ends its step (:func:`~tether.core.steps.step_token_positions`: the first token whose decoded prefix
+    reaches past the step's separator; the last valid token — EOS, or the last sampled token of a truncated
+    response — for a final step with no separator). Zeros when no source is dense."""
+    from tether.core.steps import place_step_rewards, step_token_positions
+
+    out = torch.zeros(response.shape, dtype=torch.float32)
+    for source in sources:
+        if not getattr(source, "dense", False):
+            continue
+        positions, rewards = [], []
+        for b, (ends, row_rewards) in enumerate(zip(source.step_ends, source.step_rewards)):
+            tokens = response[b][response_mask[b].bool()].tolist()
+            if not tokens:
+                positions.append([])
+                rewards.append([])
+                continue
+            prefix = _DecodedLength(tokenizer, tokens)
+            positions.append(step_token_positions(ends, prefix))
+            rewards.append([0.0 if math.isnan(r) else r for r in row_rewards])  # a NaN row is dropped anyway
+        out += place_step_rewards(rewards, positions, tuple(response.shape))
+    return out
+
+
+class _DecodedLength:
+    """``[j]`` = characters decoded from tokens 0..j (special tokens skipped, as responses are decoded)."""
+
+    def __init__(self, tokenizer, tokens: list[int]):
+        self.tokenizer, self.tokens = tokenizer, tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, j: int) -> int:
+        return len(self.tokenizer.decode(self.tokens[:j + 1], skip_special_tokens=True))
+
+
 def is_reward_model_dir(spec: str) -> bool:
     return Path(spec).expanduser().is_dir()
 
 
-def build_sources(specs: list[str], ensemble: str = "mean", batch_size: int = 64, device=None) -> list:
-    """Reward-model directories (one ensemble source) and rules (one source each), in that order."""
-    rm_dirs = [s for s in specs if is_reward_model_dir(s)]
-    rules = [s for s in specs if s not in rm_dirs]
+def is_process_reward_model(directory: str) -> bool:
+    """Whether ``directory``'s ``tether_reward.json`` says it is a process reward model."""
+    import json
+
+    from tether.rm.model import METADATA_FILE
+
+    try:
+        return json.loads((Path(directory).expanduser() / METADATA_FILE).read_text()).get("kind") == "process"
+    except (OSError, ValueError, AttributeError):
+        return False  # RewardModel.from_pretrained gives the one-line error
+
+
+def build_sources(specs: list[str], ensemble: str = "mean", batch_size: int = 64, device=None,
+                  process: str = "per_step", process_threshold: float = 0.5) -> list:
+    """Outcome reward-model directories (one ensemble source), process reward models (one source each, A9)
+    and rules (one source each), in that order."""
+    rm_dirs = [s for s in specs if is_reward_model_dir(s) and not is_process_reward_model(s)]
+    prm_dirs = [s for s in specs if is_reward_model_dir(s) and is_process_reward_model(s)]
+    rules = [s for s in specs if not is_reward_model_dir(s)]
     sources = [RewardModelSource(rm_dirs, ensemble, batch_size, device)] if rm_dirs else []
+    sources += [ProcessRewardSource(d, process, process_threshold, batch_size, device) for d in prm_dirs]
     return sources + [RuleSource(s) for s in rules]
 
 

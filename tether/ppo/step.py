@@ -31,7 +31,7 @@ from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
 from tether.ppo.rollout import critic_values, encode_prompts, forward_response
 from tether.ppo.sharding import gathered, grad_norm_value
-from tether.ppo.sources import postprocess_scores, score_responses
+from tether.ppo.sources import dense_step_rewards, postprocess_scores, score_responses
 
 # The scoring phase's parts (C2); perf/seconds_score is their sum.
 SCORE_PHASES = ("logprobs_old", "reference", "values", "reward")
@@ -108,16 +108,21 @@ def ppo_step(run, cfg, step: int) -> dict:
         last_values = values_all[torch.arange(len(rollout), device=p.device), lengths] \
             * (~rollout.ended_with_eos).float()
         timer.split("values")
-        # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5).
+        # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5). A process reward
+        # model's step rewards (A9) land on the tokens that end their steps, outside B4's normalisation.
         scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
+        step_rewards = dense_step_rewards(d.sources, rollout.response.cpu(), rollout.response_mask.cpu(),
+                                          m.tokenizer).to(p.device)  # (B, T), zeros without a PRM
         # B16: a row with a non-finite score, log-prob or value leaves this step's update (mask zeroed).
         valid, notes = finite_rows(d.sources, scores_raw, (logprobs_old, logprobs_ref, values_all[:, :-1]), mask)
-        mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw = zero_rows(
-            valid, mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw)
-        scores = postprocess_scores(scores_raw, lengths, rollout.ended_with_eos, cfg.reward, d.running_scores,
-                                    valid, gather=p.all_gather)  # statistics over all processes' kept rows
+        mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw, step_rewards = zero_rows(
+            valid, mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw, step_rewards)
+        step_totals = step_rewards.sum(dim=1)  # (B,)
+        sequence_scores = postprocess_scores(scores_raw - step_totals, lengths, rollout.ended_with_eos, cfg.reward,
+                                             d.running_scores, valid, gather=p.all_gather)  # all processes' rows
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * mask  # (B, T)
-        rewards = shaped_rewards(scores, kl, o.kl_controller.value, mask)
+        rewards = shaped_rewards(sequence_scores, kl, o.kl_controller.value, mask) + step_rewards * mask
+        scores = sequence_scores + step_totals  # what each response earned in all (objective/scores)
         # 6. GAE (B7). Returns use the un-whitened advantages.
         advantages, returns = gae(rewards, values_old, mask, cfg.gae.gamma, cfg.gae.lam, last_values)
         # 7. Whitening (B8) over the valid tokens of all ranks; then everything is frozen.

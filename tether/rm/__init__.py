@@ -1,6 +1,9 @@
 """Stage A, the reward model: the model and its scoring API (``model``: pooling, text formats,
 standardised scores, ensembles), the ``train-rm`` config (``config``), training top to bottom
-(``train``), the pairwise evaluation (``evaluate``) and the command line (``cli``).
+(``train``), the pairwise evaluation (``evaluate``) and the command line (``cli``); process reward models
+(A9): step-labelled data and the converter (``steps``), step read-outs, scoring and evaluation
+(``process``), ``train-rm --process`` top to bottom (``train_process``) and ``tether label-steps``
+(``label_cli``).
 
 May import: ``tether.core`` and the shared modules (``config``, ``data``, ``errors``, ``hf``,
 ``presets``, ``checkpoint``, ``metrics``) — never ``tether.ppo``, ``tether.diagnostics`` or ``tether.demo``.

@@ -13,8 +13,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tether.rm.train import train_reward_model
-
     cfg = resolve_config(RewardTrainingConfig, args, args.config)
-    train_reward_model(cfg)
+    if cfg.process:
+        from tether.rm.train_process import train_process_reward_model
+
+        train_process_reward_model(cfg)
+    else:
+        from tether.rm.train import train_reward_model
+
+        train_reward_model(cfg)
     return 0

@@ -34,6 +34,8 @@ class DataConfig:
                                  "without looking at the held-out pairs); 0 = off", low=0.0, high=0.9,
                                  flag="--dev-fraction")
     max_pairs: int = option(0, "use only the first N usable pairs (0 = all)", low=0, flag="--max-pairs")
+    step_separator: str = option("\\n", "--process: the text that ends every step (\\n and \\t are read as "
+                                 "newline and tab)", flag="--step-separator")
     skip_invalid: bool = option(False, "skip (and count) bad data rows instead of stopping",
                                 flag="--skip-invalid")
 
@@ -90,6 +92,8 @@ class RewardTrainingConfig:
                           choices=("auto", "last_token", "mean", "model"), flag="--pooling")
     disable_dropout: bool = option(False, "set every dropout probability to 0 during training (as TRL does), so "
                                    "chosen and rejected see the same network", flag="--disable-dropout")
+    process: bool = option(False, "train a process reward model (A9): step-labelled data, one score per step, "
+                           "per-step binary cross-entropy (see docs/process-reward.md)", flag="--process")
     norm_sample: int = option(1000, "train pairs added to the held-out ones for the score mean/std", low=0,
                               flag="--norm-sample")
     eval_batch_size: int = option(32, "texts per forward pass when scoring", low=1, flag="--eval-batch-size")
@@ -98,13 +102,31 @@ class RewardTrainingConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
+    @property
+    def step_separator(self) -> str:
+        """``data.step_separator`` with ``\\n`` and ``\\t`` read as newline and tab."""
+        return self.data.step_separator.replace("\\n", "\n").replace("\\t", "\t")
+
     def validate(self) -> None:
         if not self.model:
             raise ConfigError("--model is required (a local Hugging Face model directory)")
         if not self.data.files:
-            raise ConfigError("--data is required (a preference data file; repeatable)")
+            raise ConfigError("--data is required (a preference data file, or step-labelled data with --process; "
+                              "repeatable)")
         if not self.output_dir:
             raise ConfigError("--output-dir is required")
+        if self.process:
+            if not self.step_separator:
+                raise ConfigError("--step-separator must not be empty")
+            if self.data.format == "chat":
+                raise ConfigError("--process uses the plain format (prompt + separator + steps); --format chat "
+                                  "is not supported for process reward models yet")
+            if self.pooling not in ("auto", "last_token"):
+                raise ConfigError(f"--process reads the head at each step's last token; --pooling {self.pooling} "
+                                  f"does not apply")
+            if self.loss.margin or self.loss.length_reg or self.loss.length_expert or self.data.balance_length:
+                raise ConfigError("--margin, --length-reg, --length-expert and --balance-length are pairwise "
+                                  "options; they do not apply to --process")
         try:
             torch.device("cuda" if self.device == "auto" else self.device)
         except RuntimeError:

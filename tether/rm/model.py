@@ -168,6 +168,18 @@ def _accepts(module, name: str) -> bool:
     return name in inspect.signature(module.forward).parameters
 
 
+def last_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) last hidden states of the backbone without its head; position ids count real tokens only
+    (cumsum of the mask) so left padding does not shift positions."""
+    body = unwrap(model).base_model  # GPT2Model, LlamaModel, …: the backbone without the head
+    kwargs = {}
+    if _accepts(body, "position_ids"):
+        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    if _accepts(body, "use_cache"):
+        kwargs["use_cache"] = False
+    return body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+
+
 def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """Raw scores (B,) float32 of padded rows ``input_ids``/``attention_mask`` (B, T).
 
@@ -179,14 +191,7 @@ def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     """
     if pooling == "model":
         return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
-    hf = unwrap(model)
-    body = hf.base_model  # GPT2Model, LlamaModel, …: the backbone without the head
-    kwargs = {}
-    if _accepts(body, "position_ids"):
-        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    if _accepts(body, "use_cache"):
-        kwargs["use_cache"] = False
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state  # (B, T, H)
+    hidden = last_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
     if pooling == "mean":
         weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
         pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)  # (B, H)
@@ -303,6 +308,25 @@ class RewardModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def is_process(self) -> bool:
+        """A process reward model (A9): one score per step (``score_steps``); ``score`` is their minimum."""
+        return self.metadata.get("kind") == "process"
+
+    @property
+    def step_separator(self) -> str:
+        return self.metadata.get("step_separator", "\n")
+
+    def score_steps(self, prompts: Sequence[str], responses: Sequence[str], raw: bool = False,
+                    batch_size: int = 64) -> list[torch.Tensor]:
+        """PRMs only: per response, (K,) P(step k is right) for its steps (split at ``step_separator``), the
+        logits with ``raw=True``; NaN for a step cut by max_length (:mod:`tether.rm.process`)."""
+        from tether.rm.process import score_responses_steps
+
+        if not self.is_process:
+            raise TetherError("score_steps() needs a process reward model (trained with train-rm --process)")
+        return score_responses_steps(self, prompts, responses, raw=raw, batch_size=batch_size)
+
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> list[Encoded]:
         if isinstance(prompts, str) or isinstance(responses, str):
             raise TypeError("score() takes lists of prompts and responses, not a single string")
@@ -315,6 +339,9 @@ class RewardModel:
               batch_size: int = 64) -> torch.Tensor:
         """Scores (B,) float32 on CPU, one per (prompt, response): standardised z = (r − mean)/std, or the
         raw head output r with ``raw=True``. Batched by similar length; no gradients."""
+        if self.is_process:  # the worst step's probability (logit with raw=True): min is monotone in σ
+            per_step = self.score_steps(prompts, responses, raw=raw, batch_size=batch_size)
+            return torch.stack([s.min() if s.numel() else torch.tensor(float("nan")) for s in per_step]).float()
         encoded = [e.ids for e in self.encode(prompts, responses)]
         out = torch.empty(len(encoded), dtype=torch.float32)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding per batch

@@ -155,7 +155,9 @@ def load_model(cfg: RewardTrainingConfig, model_path: Path, device: torch.device
         disable_dropout(model)
     model.to(device)
     max_length = clamp_max_length(cfg.data.max_length, model)
-    text_format = choose_format(tokenizer, cfg.data.format, cfg.data.separator, max_length)
+    # a PRM's text is plain (prompt + separator + steps): its read-out tokens are the steps' separators
+    text_format = choose_format(tokenizer, "plain" if cfg.process else cfg.data.format, cfg.data.separator,
+                                max_length)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model: {model_path} ({type(model).__name__ if not lora else 'LoRA r=' + str(cfg.lora.r)}), "
           f"{n_trainable:,} trainable parameters, head {'new (random init)' if head_is_new else 'from checkpoint'}, "
@@ -220,6 +222,36 @@ def pair_loss(model, chosen: list, rejected: list, cfg: RewardTrainingConfig, de
     return loss, (s_w - s_l).detach()
 
 
+def optimisation(model, cfg: RewardTrainingConfig, n_items: int, device: torch.device) -> tuple:
+    """``(params, optimizer, scheduler, autocast kwargs, scaler, steps)`` for ``n_items`` training items: AdamW
+    on the trainable parameters, linear warm-up over ``optim.warmup_ratio`` of the steps then linear decay
+    to 0, autocast in ``cfg.dtype`` (a loss scaler for fp16)."""
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    steps = o.epochs * math.ceil(math.ceil(n_items / o.batch_size) / o.grad_accumulation)
+    warmup = int(o.warmup_ratio * steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: (k + 1) / (warmup + 1) if k < warmup else max(0.0, (steps - k) / max(1, steps - warmup)))
+    compute = DTYPES[cfg.dtype]
+    autocast = {"device_type": device.type, "dtype": compute, "enabled": compute != torch.float32}
+    scaler = torch.amp.GradScaler(device.type, enabled=compute == torch.float16)
+    return params, optimizer, scheduler, autocast, scaler, steps
+
+
+def optimizer_step(params, optimizer, scheduler, scaler, max_grad_norm: float) -> tuple[float, float]:
+    """Unscale, clip the gradient norm, step (skipped by the fp16 scaler on inf/NaN), zero the gradients and
+    advance the schedule. Returns ``(grad_norm before clipping, the lr this step used)``."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return float(grad_norm), lr
+
+
 def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
                pooling: str | None = None, length_w: float | None = None) -> list[dict]:
     """AdamW over shuffled batches of pairs, ``optim.grad_accumulation`` batches per optimiser step.
@@ -232,15 +264,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
 
     pooling = pooling or pooling_of(model)
     opt_cfg = cfg.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
-    steps = opt_cfg.epochs * math.ceil(math.ceil(len(encoded) / opt_cfg.batch_size) / opt_cfg.grad_accumulation)
-    warmup = int(opt_cfg.warmup_ratio * steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: (k + 1) / (warmup + 1) if k < warmup else max(0.0, (steps - k) / max(1, steps - warmup)))
-    compute = DTYPES[cfg.dtype]
-    autocast = dict(device_type=device.type, dtype=compute, enabled=compute != torch.float32)
-    scaler = torch.amp.GradScaler(device.type, enabled=compute == torch.float16)
+    params, optimizer, scheduler, autocast, scaler, steps = optimisation(model, cfg, len(encoded), device)
     generator = torch.Generator().manual_seed(cfg.seed)
     history: list[dict] = []
     model.train()
@@ -260,13 +284,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
                 scaler.scale(loss * len(batch) / n_pairs).backward()
                 loss_sum += loss.item() * len(batch)
                 correct += (margins > 0).sum().item()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, opt_cfg.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            grad_norm, lr = optimizer_step(params, optimizer, scheduler, scaler, opt_cfg.max_grad_norm)
             history.append({"step": len(history) + 1, "epoch": epoch + 1, "rm/loss": loss_sum / n_pairs,
                             "rm/accuracy": correct / n_pairs, "rm/grad_norm": float(grad_norm), "rm/lr": lr})
             bar.update(1)
