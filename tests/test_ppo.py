@@ -267,8 +267,15 @@ def test_reward_model_source_and_separate_critic_from_it(files, tmp_path):
     rows = c.data.prompts.next_batch()
     _, responses = rollout_batch(c.models, cfg, rows)
     prompts = [r["prompt"] for r in rows]
-    expected = RewardModel.from_pretrained(rm_dir).score(prompts, responses)
-    torch.testing.assert_close(score_responses(c.data.sources, prompts, responses, collate_fields(rows)), expected)
+    # Independently: HF's own sequence-classification forward on each plain text, one at a time (its own
+    # last-token pooling, no padding), standardised with the stored mean 1.0 and std 0.5.
+    model = RewardModel.from_pretrained(rm_dir, device="cpu").model
+    with torch.no_grad():
+        raw = [model(input_ids=torch.tensor([tokenizer(p + r)["input_ids"]])).logits[0, 0] for p, r in
+               zip(prompts, responses)]
+    expected = (torch.stack(raw) - 1.0) / 0.5
+    torch.testing.assert_close(score_responses(c.data.sources, prompts, responses, collate_fields(rows)), expected,
+                               atol=1e-5, rtol=1e-5)
     metrics = ppo_step(c, cfg, 1)
     assert torch.isfinite(torch.tensor(metrics["objective/scores"]))
 
