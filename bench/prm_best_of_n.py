@@ -89,6 +89,11 @@ def sample(policy, tok, problems, k: int, seed: int) -> list[dict]:
              "gold": int(g["ended_with_eos"] and g["response"] == a)} for p, g, a in zip(prompts, gens, answers)]
 
 
+def verifier_dir(out: Path, args) -> Path:
+    """The reward models' backbone: the longer SFT, or the policy's own with --verifier-sft-steps 0."""
+    return out / ("verifier_sft" if args.verifier_sft_steps else "sft")
+
+
 def train_rm(out: Path, name: str, examples, separator: str, args):
     """``train-rm --process`` on ``examples`` written to ``out/NAME_steps.jsonl`` (the file path users take)."""
     from tether.rm.config import RewardTrainingConfig
@@ -96,8 +101,7 @@ def train_rm(out: Path, name: str, examples, separator: str, args):
     from tether.rm.train_process import train_process_reward_model
 
     write_step_examples(examples, out / f"{name}_steps.jsonl")
-    backbone = out / ("verifier_sft" if args.verifier_sft_steps else "sft")
-    cfg = RewardTrainingConfig(model=str(backbone), output_dir=str(out / name), seed=args.seed, process=True)
+    cfg = RewardTrainingConfig(model=str(verifier_dir(out, args)), output_dir=str(out / name), seed=args.seed, process=True)
     cfg.data.files = [str(out / f"{name}_steps.jsonl")]
     cfg.data.step_separator, cfg.data.eval_fraction, cfg.data.max_length = separator, 0.1, 64
     cfg.optim.lr, cfg.optim.epochs, cfg.optim.batch_size = 3e-4, args.rm_epochs, 32
@@ -113,12 +117,11 @@ def train_bt_orm(out: Path, labelled: list[dict], args):
     from tether.rm.config import RewardTrainingConfig
     from tether.rm.train import train_reward_model
 
-    backbone = out / ("verifier_sft" if args.verifier_sft_steps else "sft")
     eos_dir = out / "bt_backbone"  # the backbone with a tokenizer that appends [EOS] (tether.demo.pipeline's)
     if not eos_dir.is_dir():
         from transformers import AutoModelForCausalLM
 
-        AutoModelForCausalLM.from_pretrained(backbone).save_pretrained(eos_dir)
+        AutoModelForCausalLM.from_pretrained(verifier_dir(out, args)).save_pretrained(eos_dir)
         build_tokenizer(eos_dir, eos_after_text=True)
     rng, by_prompt, pairs = random.Random(args.seed), {}, []
     for s in labelled:

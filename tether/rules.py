@@ -195,25 +195,26 @@ def _parse_value(text: str):
     return text
 
 
-def load_rule(spec: str) -> Callable:
-    """Import ``module:function[:key=value,...]``; one-line errors when it cannot be found."""
+def load_rule(spec: str, flag: str = "--reward") -> Callable:
+    """Import ``module:function[:key=value,...]``; one-line errors, naming ``flag``, when it cannot be found."""
     parts = spec.split(":")
     if len(parts) < 2 or not parts[0] or not parts[1]:
-        raise TetherError(f"--reward {spec}: not a reward-model directory nor a rule 'module:function'")
+        what = "a reward-model directory nor a rule" if flag == "--reward" else "a rule"
+        raise TetherError(f"{flag} {spec}: not {what} 'module:function'")
     module_name, function_name = parts[0], parts[1]
     kwargs = {}
     for item in filter(None, ":".join(parts[2:]).split(",")):
         if "=" not in item:
-            raise TetherError(f"--reward {spec}: rule arguments must be key=value, got {item!r}")
+            raise TetherError(f"{flag} {spec}: rule arguments must be key=value, got {item!r}")
         key, value = item.split("=", 1)
         kwargs[key.strip()] = _parse_value(value.strip())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise TetherError(f"--reward {spec}: cannot import module {module_name!r} ({e})") from None
+        raise TetherError(f"{flag} {spec}: cannot import module {module_name!r} ({e})") from None
     fn = getattr(module, function_name, None)
     if not callable(fn):
-        raise TetherError(f"--reward {spec}: module {module_name!r} has no function {function_name!r}")
+        raise TetherError(f"{flag} {spec}: module {module_name!r} has no function {function_name!r}")
     if kwargs:
         base = fn
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tether.config import option
+from tether.core.steps import AGGREGATIONS
 from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
 from tether.hf import DTYPE_ALIASES, DTYPES
@@ -81,7 +82,7 @@ class RewardConfig:
     process: str = option("per_step", "how a process reward model's step scores become rewards (A9): per_step "
                           "(each step's min(p - threshold, 0) on the token that ends it), min (the worst step's p "
                           "on the last token) or last (the last step's p, ORM-like)",
-                          choices=("per_step", "min", "last"), flag="--prm-reward")
+                          choices=AGGREGATIONS, flag="--prm-reward")
     process_threshold: float = option(0.5, "per_step: a step with P(right) >= this earns 0, below it "
                                       "p - threshold", low=0.0, high=1.0, flag="--prm-threshold")
 

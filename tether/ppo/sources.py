@@ -143,12 +143,14 @@ class ProcessRewardSource:
 
     def __call__(self, prompts, responses, fields) -> torch.Tensor:
         from tether.core.steps import aggregate_steps, clipped_step_reward, split_steps
+        from tether.rm.process import score_step_lists
 
-        probs = self.rm.score_steps(prompts, responses, batch_size=self.batch_size)
+        steps, ends = zip(*(split_steps(r, self.rm.step_separator) for r in responses)) if responses else ((), ())
+        probs = score_step_lists(self.rm, prompts, steps, batch_size=self.batch_size)
         if not self.dense:
             return torch.tensor([aggregate_steps(p, self.aggregation) for p in probs], dtype=torch.float32)
         self.step_rewards = [clipped_step_reward(p, self.threshold).tolist() for p in probs]
-        self.step_ends = [split_steps(r, self.rm.step_separator)[1] for r in responses]
+        self.step_ends = list(ends)
         return torch.tensor([sum(r) for r in self.step_rewards], dtype=torch.float32)  # NaN stays NaN (B16)
 
 
@@ -160,7 +162,7 @@ def dense_step_rewards(sources: list, response: torch.Tensor, response_mask: tor
     response — for a final step with no separator). Zeros when no source is dense."""
     from tether.core.steps import place_step_rewards, step_token_positions
 
-    out = torch.zeros(response.shape, dtype=torch.float32)
+    out = torch.zeros(response.shape, dtype=torch.float32, device=response.device)
     for source in sources:
         if not getattr(source, "dense", False):
             continue
@@ -174,7 +176,7 @@ def dense_step_rewards(sources: list, response: torch.Tensor, response_mask: tor
             prefix = _DecodedLength(tokenizer, tokens)
             positions.append(step_token_positions(ends, prefix))
             rewards.append([0.0 if math.isnan(r) else r for r in row_rewards])  # a NaN row is dropped anyway
-        out += place_step_rewards(rewards, positions, tuple(response.shape))
+        out += place_step_rewards(rewards, positions, tuple(response.shape)).to(out.device)
     return out
 
 
@@ -211,9 +213,10 @@ def build_sources(specs: list[str], ensemble: str = "mean", batch_size: int = 64
                   process: str = "per_step", process_threshold: float = 0.5) -> list:
     """Outcome reward-model directories (one ensemble source), process reward models (one source each, A9)
     and rules (one source each), in that order."""
-    rm_dirs = [s for s in specs if is_reward_model_dir(s) and not is_process_reward_model(s)]
-    prm_dirs = [s for s in specs if is_reward_model_dir(s) and is_process_reward_model(s)]
-    rules = [s for s in specs if not is_reward_model_dir(s)]
+    dirs = [s for s in specs if is_reward_model_dir(s)]
+    prm_dirs = [d for d in dirs if is_process_reward_model(d)]
+    rm_dirs = [d for d in dirs if d not in prm_dirs]
+    rules = [s for s in specs if s not in dirs]
     sources = [RewardModelSource(rm_dirs, ensemble, batch_size, device)] if rm_dirs else []
     sources += [ProcessRewardSource(d, process, process_threshold, batch_size, device) for d in prm_dirs]
     return sources + [RuleSource(s) for s in rules]

@@ -111,8 +111,8 @@ def ppo_step(run, cfg, step: int) -> dict:
         # 5. Sequence scores from the reward sources (B4), then per-token rewards r̃_t (B5). A process reward
         # model's step rewards (A9) land on the tokens that end their steps, outside B4's normalisation.
         scores_raw = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos).to(p.device)
-        step_rewards = dense_step_rewards(d.sources, rollout.response.cpu(), rollout.response_mask.cpu(),
-                                          m.tokenizer).to(p.device)  # (B, T), zeros without a PRM
+        step_rewards = dense_step_rewards(d.sources, rollout.response, rollout.response_mask,
+                                          m.tokenizer)  # (B, T), zeros without a PRM
         # B16: a row with a non-finite score, log-prob or value leaves this step's update (mask zeroed).
         valid, notes = finite_rows(d.sources, scores_raw, (logprobs_old, logprobs_ref, values_all[:, :-1]), mask)
         mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, scores_raw, step_rewards = zero_rows(

@@ -105,7 +105,9 @@ class RewardTrainingConfig:
     @property
     def step_separator(self) -> str:
         """``data.step_separator`` with ``\\n`` and ``\\t`` read as newline and tab."""
-        return self.data.step_separator.replace("\\n", "\n").replace("\\t", "\t")
+        from tether.rm.steps import unescape_separator
+
+        return unescape_separator(self.data.step_separator)
 
     def validate(self) -> None:
         if not self.model:

@@ -22,9 +22,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from tether.data import read_records, record_location
     from tether.rules import load_rule
-    from tether.rm.steps import label_with_rule, write_step_examples
+    from tether.rm.steps import label_with_rule, unescape_separator, write_step_examples
 
-    separator = args.separator.replace("\\n", "\n").replace("\\t", "\t")
+    separator = unescape_separator(args.separator)
     if not separator:
         raise DataError("--separator must not be empty")
     records = read_records(args.input)
@@ -32,7 +32,7 @@ def run(args) -> int:
         for key in ("prompt", "response"):
             if not isinstance(record.get(key), str):
                 raise DataError(f"{record_location(args.input, number)}: field '{key}' must be text")
-    rule = load_rule(args.rule)
+    rule = load_rule(args.rule, flag="--rule")
     examples = label_with_rule([r for _, r in records], rule, separator)
     write_step_examples(examples, args.output)
     steps = sum(len(e.steps) for e in examples)

@@ -341,7 +341,7 @@ class RewardModel:
         raw head output r with ``raw=True``. Batched by similar length; no gradients."""
         if self.is_process:  # the worst step's probability (logit with raw=True): min is monotone in σ
             per_step = self.score_steps(prompts, responses, raw=raw, batch_size=batch_size)
-            return torch.stack([s.min() if s.numel() else torch.tensor(float("nan")) for s in per_step]).float()
+            return torch.stack([s.min() for s in per_step]).float()  # split_steps gives ≥ 1 step
         encoded = [e.ids for e in self.encode(prompts, responses)]
         out = torch.empty(len(encoded), dtype=torch.float32)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding per batch

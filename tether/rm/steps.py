@@ -9,8 +9,8 @@ Accepted rows (JSONL, JSON, CSV with list columns as JSON text, Parquet, a ``dat
 
 A label is good (1) or bad (0): ``true``/``false``, ``1`` (good) and ``0``/``-1`` (bad; PRM800K's
 ratings, where 0 is "neutral" and counted as not good), ``"+"``/``"-"`` (Math-Shepherd). There is one
-label per step. A row whose labels stop early (PRM800K stops at the first error) keeps the steps it has
-labels for only when ``truncate_to_labels`` is set; otherwise the counts must match.
+label per step (a row whose labels stop early, as PRM800K's stop at the first error, is refused: cut its
+steps to its labels first).
 
 The converter (:func:`label_with_rule`, ``tether label-steps``) turns ``(prompt, response)`` rows into
 such data with a step rule: any callable ``rule(prompts, steps, **fields) -> list[list[bool]]`` named
@@ -32,6 +32,11 @@ from tether.errors import DataError, TetherError
 # True == 1 and False == 0 as dict keys, so the numbers 1, 0 (and 1.0, 0.0) match too
 GOOD = {True: 1, "+": 1, "1": 1, "true": 1, "good": 1}
 BAD = {False: 0, -1: 0, "-": 0, "0": 0, "-1": 0, "false": 0, "bad": 0}
+
+
+def unescape_separator(text: str) -> str:
+    """A separator as typed on a command line or in YAML: ``\\n`` and ``\\t`` read as newline and tab."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 @dataclass
@@ -71,7 +76,7 @@ def _list_field(record: dict, key: str, where: str) -> list:
     return list(value)
 
 
-def example_from_record(record: dict, where: str, separator: str, truncate_to_labels: bool = False) -> StepExample:
+def example_from_record(record: dict, where: str, separator: str) -> StepExample:
     """One :class:`StepExample` from a row of any accepted shape (see module doc); one-line DataError."""
     prompt = record.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -89,21 +94,19 @@ def example_from_record(record: dict, where: str, separator: str, truncate_to_la
         bad = next((k for k, s in enumerate(steps) if not isinstance(s, str)), None)
         if bad is not None:
             raise DataError(f"{where}: step {bad + 1} is {type(steps[bad]).__name__}, not text")
-        if any(separator in s for s in steps):
-            k = next(k for k, s in enumerate(steps) if separator in s)
-            raise DataError(f"{where}: step {k + 1} contains the step separator {separator!r}")
+        cut = next((k for k, s in enumerate(steps) if separator in s), None)
+        if cut is not None:
+            raise DataError(f"{where}: step {cut + 1} contains the step separator {separator!r}")
     labels = [parse_label(v, where, k) for k, v in enumerate(_list_field(record, "labels", where))]
     if not steps:
         raise DataError(f"{where}: no steps")
     if len(labels) != len(steps):
-        if not (truncate_to_labels and 0 < len(labels) < len(steps)):
-            raise DataError(f"{where}: {len(steps)} steps but {len(labels)} labels")
-        steps = steps[: len(labels)]
+        raise DataError(f"{where}: {len(steps)} steps but {len(labels)} labels")
     return StepExample(prompt, [str(s) for s in steps], labels, where)
 
 
-def load_step_examples(paths: Iterable[str | Path], separator: str = "\n", *, skip_invalid: bool = False,
-                       truncate_to_labels: bool = False) -> tuple[list[StepExample], dict]:
+def load_step_examples(paths: Iterable[str | Path], separator: str = "\n", *, skip_invalid: bool = False
+                       ) -> tuple[list[StepExample], dict]:
     """Every usable row of every file, in order, and counts (``rows``, ``examples``, ``invalid``, ``steps``,
     ``good_steps``). Bad rows raise a one-line DataError (file and line) unless ``skip_invalid``."""
     examples: list[StepExample] = []
@@ -115,8 +118,7 @@ def load_step_examples(paths: Iterable[str | Path], separator: str = "\n", *, sk
         counts["invalid"] += len(skipped)
         for number, record in records:
             try:
-                examples.append(example_from_record(record, record_location(path, number), separator,
-                                                    truncate_to_labels))
+                examples.append(example_from_record(record, record_location(path, number), separator))
             except DataError:
                 if not skip_invalid:
                     raise
