@@ -97,6 +97,19 @@ def test_kl_explosion():
         "kl.coef", "optim.lr", "ppo.epochs", "ppo.clip_range", "kl.controller", "health.rollback"]
 
 
+def test_sampler_gap_is_the_cause_before_the_ratio_it_breaks():
+    """An engine whose samples stop matching what PPO scores (vLLM after a missed sync): its log-prob gap leaves
+    the band at step 12, the ratio spread follows at 14; the doctor names the gap, not the ratio."""
+    rows = healthy_rows()
+    for r in rows:
+        r["rollout/logprob_gap_mean"] = 2e-7 if r["step"] < 12 else 0.3
+        if r["step"] >= 14:
+            r["policy/ratio_std"] = 0.6
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("ratio out of control", "rollout/logprob_gap_mean", 12)
+    assert diagnose(healthy_rows()).unchecked == []  # a transformers run has no gap and is not short of a check
+
+
 def test_kl_band_reads_the_percentile_not_the_max():
     rows = healthy_rows()
     for r in rows[20:]:

@@ -41,6 +41,7 @@ def test_default_table_is_the_reference_d1():
     assert got["length_surge"][3:] == (2.0, "reward hacking")
     assert got["length_collapse"][2:] == (0.5, None, "mode collapse")
     assert got["gold_drop"][0] == "eval/accuracy"
+    assert got["sampler_gap"] == ("rollout/logprob_gap_mean", (None, 0.01), None, 0.05, "ratio out of control")
     assert all(b.meaning for b in BANDS)
 
 
@@ -51,6 +52,7 @@ def test_default_table_is_the_reference_d1():
     ("clip_fraction", 0.01, "ok"), ("clip_fraction", 0.3, "warn"), ("clip_fraction", 0.6, "alarm"),
     ("not_learning", 0.01, "alarm"), ("not_learning", 0.1, "ok"),
     ("kl_max", float("nan"), "alarm"), ("kl_max", float("inf"), "alarm"),
+    ("sampler_gap", 1e-7, "ok"), ("sampler_gap", 0.03, "warn"), ("sampler_gap", 0.2, "alarm"),
 ])
 def test_band_state(name, value, state):
     assert band(name).state(value) == state

@@ -262,7 +262,7 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     for row in rows:
         monitor.update(int(row["step"]), row)
     present = {k for row in rows for k in row}
-    unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present]
+    unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     phases = phase_seconds(rows)

@@ -56,6 +56,7 @@ class Band:
     # (metric, low, high): judged only on rows where that metric lies in [low, high] or is absent;
     # other rows are skipped like rows without the band's own metric
     only_if: tuple[str, float | None, float | None] | None = None
+    reported_by_some_runs: bool = False  # absent by design elsewhere: doctor does not list it as "not checked"
     persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
     needs: tuple[str, ...] = ()  # other keys the measure reads (a band without them is not checked)
 
@@ -102,6 +103,12 @@ class Band:
 # The table, in the order of the causal chain of reference D.6 (ratio → KL → value → entropy/length →
 # reward hacking): when two bands leave their healthy range at the same step the earlier row is the cause.
 BANDS: tuple[Band, ...] = (
+    # First in the chain: samples drawn from another distribution than the one PPO scores make every ratio
+    # wrong from the start. Only an engine with its own weights (vLLM) reports it; fp32 gives ~1e-7.
+    Band("sampler_gap", "rollout/logprob_gap_mean", "value", (None, 0.01), None, 0.05, RATIO,
+         "mean |log π_sampler − log π_old| per response token: the rollout engine samples another distribution "
+         "than the one PPO scores (a missed weight sync, a sampling option the engine applied, low precision)",
+         reported_by_some_runs=True),
     Band("ratio_std", "policy/ratio_std", "value", (None, 0.1), None, 0.3, RATIO,
          "spread of π/π_old over the epoch loop; large = the last epochs are far off-policy (IS fails)"),
     Band("clip_fraction", "policy/clip_fraction", "value", (0.05, 0.2), None, 0.5, RATIO,

@@ -51,7 +51,8 @@ class DataConfig:
 @dataclass
 class GenerationConfig:
     engine: str = option("transformers", "rollout engine (C3): 'transformers' generate on the trained policy "
-                         "(any device)", choices=("transformers",), flag="--engine")
+                         "(any device), or 'vllm' (optional install; one process; synced before each rollout)",
+                         choices=("transformers", "vllm"), flag="--engine")
     max_new_tokens: int = option(48, "response length cap; rows cut here are 'truncated'", low=1,
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature everywhere",

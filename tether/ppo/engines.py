@@ -3,9 +3,9 @@
 never come from an engine (B2: the training-side forward recomputes them).
 
 ``transformers`` (the default, any device) samples with the trained module itself, so it has nothing to
-sync. An engine that holds its own copy of the policy (vLLM) sets ``syncs_weights`` and copies the weights
-in ``sync_weights``; the step reports that time as ``perf/seconds_weight_sync``. What a vLLM engine needs
-is listed in docs/sampling.md.
+sync. An engine that holds its own copy of the policy (``vllm``, :mod:`tether.ppo.vllm_engine`) sets
+``syncs_weights`` and copies the weights in ``sync_weights``; the step reports that time as
+``perf/seconds_weight_sync``. Decisions and limits: docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -50,11 +50,26 @@ class TransformersEngine:
                         greedy=greedy, min_new_tokens=min_new_tokens)
 
 
-ENGINES = {"transformers": TransformersEngine}
+ENGINES = ("transformers", "vllm")
 
 
-def make_engine(name: str, model, tokenizer) -> Engine:
-    """The engine called ``name`` (``--engine``) over the unwrapped policy ``model``."""
-    if name not in ENGINES:
-        raise ConfigError(f"--engine: unknown rollout engine {name!r}; available: {', '.join(ENGINES)}")
-    return ENGINES[name](model, tokenizer)
+def make_engine(cfg, model, tokenizer, world_size: int = 1) -> Engine:
+    """The engine ``cfg.generation.engine`` (``--engine``) over the unwrapped policy ``model``; ``cfg`` is the
+    run's :class:`~tether.ppo.config.RunConfig` (the vLLM engine sizes its context and cache from it)."""
+    name = cfg.generation.engine
+    if name == "transformers":
+        return TransformersEngine(model, tokenizer)
+    if name == "vllm":
+        if world_size > 1:
+            raise ConfigError(f"--engine vllm: runs with one process only (this launch has {world_size}); "
+                              "use --engine transformers for multi-process runs (docs/sampling.md)")
+        from tether.ppo.vllm_engine import VLLMEngine
+
+        max_model_len = min(cfg.data.max_prompt_length + cfg.generation.max_new_tokens, context_length(model))
+        return VLLMEngine(model, tokenizer, max_model_len, rows=cfg.batch_size, seed=cfg.seed)
+    raise ConfigError(f"--engine: unknown rollout engine {name!r}; available: {', '.join(ENGINES)}")
+
+
+def context_length(model) -> int:
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    return getattr(config, "max_position_embeddings", None) or config.n_positions

@@ -38,6 +38,7 @@ class Rollout:
     ended_with_eos: torch.Tensor   # (B,) bool: False = cut by max_new_tokens (truncated)
     eos_ids: tuple[int, ...] = ()  # the token ids that end a response
     min_new_tokens: int = 0        # EOS was kept out of the first min_new_tokens samples (scored so too, B1)
+    logprobs_sampler: torch.Tensor | None = None  # (B, T) what an engine with its own weights reported; never trained on
 
     def __len__(self) -> int:
         return self.query.shape[0]
@@ -55,8 +56,10 @@ class Rollout:
         forward computes the same values on fewer columns."""
         first = int(self.query_mask.any(dim=0).float().argmax())  # (P,) -> first column with a token
         width = int(self.lengths.max()) if len(self) else 0
+        sampler = None if self.logprobs_sampler is None else self.logprobs_sampler[:, :width]
         return replace(self, query=self.query[:, first:], query_mask=self.query_mask[:, first:],
-                       response=self.response[:, :width], response_mask=self.response_mask[:, :width])
+                       response=self.response[:, :width], response_mask=self.response_mask[:, :width],
+                       logprobs_sampler=sampler)
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: l
 
 
 def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer, use_chat_template: bool,
-               optim: Optimisation, engine: str) -> Models:
+               optim: Optimisation, cfg) -> Models:
     """Policy and critic wrapped by ``accelerator.prepare`` (DDP under several processes)."""
     accelerator = processes.accelerator
     policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
@@ -310,17 +310,17 @@ def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenize
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy_model, unwrapped_policy=unwrapped_policy,
                   critic=critic, unwrapped_critic=accelerator.unwrap_model(critic),
-                  engine=make_engine(engine, unwrapped_policy, tokenizer))
+                  engine=make_engine(cfg, unwrapped_policy, tokenizer, processes.world_size))
 
 
 def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer,
-                   use_chat_template: bool, engine: str) -> Models:
+                   use_chat_template: bool, cfg) -> Models:
     """Policy and critic sharded with FSDP2 (tether.ppo.sharding), in place; the reference stays whole."""
     shard(policy.model, processes.fsdp, processes.device).train()
     shard(critic, processes.fsdp, processes.device).train()
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy.model, unwrapped_policy=policy.model, critic=critic, unwrapped_critic=critic,
-                  engine=make_engine(engine, policy.model, tokenizer), fsdp=processes.fsdp)
+                  engine=make_engine(cfg, policy.model, tokenizer, processes.world_size), fsdp=processes.fsdp)
 
 
 def setup(cfg) -> Run:
@@ -341,13 +341,12 @@ def setup(cfg) -> Run:
     check_context(cfg, tokenizer, use_chat_template, policy.model.config, train_rows + eval_rows)
     if policy.reference is not None:
         policy.reference.to(processes.device)  # frozen: a whole copy on every process, never sharded
-    engine = cfg.generation.engine
     if processes.fsdp is not None:
-        models = sharded_models(processes, policy, critic, tokenizer, use_chat_template, engine)
+        models = sharded_models(processes, policy, critic, tokenizer, use_chat_template, cfg)
         optim = make_optimisation(cfg, policy, critic)  # after sharding: the parameters are DTensors now
     else:
         optim = make_optimisation(cfg, policy, critic)
-        models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, engine)
+        models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
                 running_scores=RunningMoments())

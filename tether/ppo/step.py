@@ -151,6 +151,7 @@ def ppo_step(run, cfg, step: int) -> dict:
         "policy/entropy": p.global_mean(masked_mean(entropy, mask)),
         **value_metrics(p, values_old, returns, mask),
         **response_metrics(p, rollout),
+        **sampler_gap_metrics(p, rollout, logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(lengths.sum().float())),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps),
         "ppo/epochs_run": epochs_run,
@@ -213,6 +214,17 @@ def response_metrics(p, rollout: Rollout) -> dict:
             "response/length_max": p.global_max(lengths.max()),
             "response/truncated_fraction": p.global_mean((~rollout.ended_with_eos).float().mean()),
             "response/repetition": p.global_sum(repeated) / max(p.global_sum(n_grams), 1.0)}
+
+
+def sampler_gap_metrics(p, rollout: Rollout, logprobs_old: torch.Tensor, mask: torch.Tensor) -> dict:
+    """|log π_sampler(a_t) − log π_old(a_t)| over the response tokens, when the engine reports its own log-probs
+    (vLLM): how far the distribution the tokens came from is from the one PPO scores (C3). A few 1e-6 in fp32;
+    a large gap means the engine is not sampling the trained weights (a missed sync, a leaked sampling option)."""
+    if rollout.logprobs_sampler is None:
+        return {}
+    gap = (rollout.logprobs_sampler - logprobs_old).abs() * mask
+    return {"rollout/logprob_gap_mean": p.global_mean(masked_mean(gap, mask)),
+            "rollout/logprob_gap_max": p.global_max(gap.max())}
 
 
 def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:

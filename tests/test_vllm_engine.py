@@ -1,0 +1,204 @@
+"""The vLLM rollout engine (C3): what it samples is what PPO scores, at the first step and after updates (the
+weight sync), whatever the checkpoint's generation_config says; LoRA weights reach it folded in; a short PPO
+run with it learns as the transformers engine does. The tests that start vLLM skip where it is not installed
+(their reason is the install command); CI runs them in their own environment (.ci/run)."""
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+from tether.errors import ConfigError
+from tether.ppo.engines import make_engine
+from tether.ppo.rollout import encode_prompts, forward_response
+from tether.ppo.vllm_engine import INSTALL, kv_cache_bytes, policy_weights
+
+# What instruct checkpoints ship in generation_config.json; each would change what vLLM samples if read.
+LEAKY = {"repetition_penalty": 5.0, "top_k": 2, "top_p": 0.3, "min_p": 0.3, "no_repeat_ngram_size": 1,
+         "temperature": 0.2, "do_sample": True}
+TEMPERATURE = 0.7
+
+
+def _vllm():
+    return pytest.importorskip("vllm", reason=f"vLLM is not installed: {INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A policy whose heads are 32 wide (vLLM's CPU kernels take 32, 64, …; tests/tiny.py's are 16)."""
+    root = tmp_path_factory.mktemp("vllm")
+    return make_policy_dir(root, n_layer=2, n_embd=64, n_head=2), make_prompts_file(root)
+
+
+def _leaky_policy(policy_dir, lora: bool = False):
+    """The policy with LEAKY in its generation config and three frequent tokens as extra EOS ids (so rows end
+    with EOS as well as by truncation); with ``lora``, a peft adapter whose B is not zero."""
+    from tether.ppo.models import apply_lora, load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(policy_dir)
+    model = load_causal_lm(policy_dir)
+    for key, value in LEAKY.items():
+        setattr(model.generation_config, key, value)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["1", "2", "3"])]
+    if lora:
+        model = apply_lora(model, r=4, alpha=8, dropout=0.0, target="all-linear")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.2)
+    return model, tokenizer
+
+
+def _prompts(tokenizer, n=24):
+    from tether.demo.task import make_problems
+
+    query, query_mask = encode_prompts(tokenizer, [p["prompt"] for p in make_problems(n, seed=5)], 16, False)
+    return query, query_mask
+
+
+def _gap(engine, model, query, query_mask, min_new_tokens=0):
+    """Sample with the engine; max |sampler log-prob − training-side log-prob| over the response tokens."""
+    rollout = engine.generate(query, query_mask, 10, TEMPERATURE, min_new_tokens=min_new_tokens)
+    mask = rollout.response_mask.bool()
+    with torch.no_grad():
+        logprobs, _, _ = forward_response(model, rollout, TEMPERATURE)
+    return rollout, float((rollout.logprobs_sampler - logprobs).abs()[mask].max())
+
+
+def _update(model, steps=2):
+    """Two AdamW steps that move every trainable weight (pushing up one token's logit everywhere)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-2)
+    ids = torch.randint(0, 40, (4, 12))
+    for _ in range(steps):
+        logits = model(input_ids=ids).logits
+        (-logits[..., 7].mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_engine_samples_the_scored_distribution_before_and_after_updates(files, lora):
+    """Sampled-token log-probs from vLLM equal the trainer's softmax(logits / T) to 1e-4 at the first rollout,
+    with EOS masked under min_new_tokens, and after two optimizer updates once synced; before the sync they do
+    not (the check can fail). The checkpoint's repetition_penalty, top_k, top_p, min_p, no_repeat_ngram_size
+    and temperature would each change these log-probs if vLLM read them."""
+    _vllm()
+    from tether.ppo.vllm_engine import VLLMEngine
+
+    model, tokenizer = _leaky_policy(files[0], lora)
+    query, query_mask = _prompts(tokenizer)
+    torch.manual_seed(0)
+    engine = VLLMEngine(model, tokenizer, max_model_len=32, rows=len(query), seed=0)
+    rollout, gap = _gap(engine, model, query, query_mask)
+    assert gap < 1e-4
+    assert rollout.ended_with_eos.any() and not rollout.ended_with_eos.all()
+    ended_at = rollout.lengths - 1  # every row that ended has an EOS id as its last valid token, none before
+    last = rollout.response[torch.arange(len(rollout)), ended_at]
+    assert torch.equal(torch.isin(last, torch.tensor(rollout.eos_ids)), rollout.ended_with_eos)
+    assert (rollout.lengths[~rollout.ended_with_eos] == 10).all()
+    rollout, gap = _gap(engine, model, query, query_mask, min_new_tokens=4)
+    assert gap < 1e-4 and (rollout.lengths >= 5).all()
+
+    _update(model)
+    _, stale = _gap(engine, model, query, query_mask)
+    assert stale > 1e-2  # the engine still holds the old weights
+    engine.sync_weights(model)
+    _update(model)
+    engine.sync_weights(model)
+    _, gap = _gap(engine, model, query, query_mask)
+    assert gap < 1e-4
+
+
+def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
+    """Each row draws its vLLM seed from torch's RNG: identical prompts get different samples, and the same
+    torch seed gives the same rollout again (a resumed run resamples what it sampled). Starting the engine
+    leaves torch's thread control to the trainer."""
+    _vllm()
+    from tether.ppo.vllm_engine import VLLMEngine
+
+    model, tokenizer = _leaky_policy(files[0])
+    query, query_mask = _prompts(tokenizer, n=1)
+    query, query_mask = query.repeat(8, 1), query_mask.repeat(8, 1)
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(model, tokenizer, max_model_len=32, rows=8, seed=0)
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op; training in the same process keeps control.
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(threads + 1)
+    assert torch.get_num_threads() == threads + 1
+    torch.set_num_threads(threads)
+    torch.manual_seed(3)
+    first = engine.generate(query, query_mask, 10, TEMPERATURE).response
+    torch.manual_seed(3)
+    again = engine.generate(query, query_mask, 10, TEMPERATURE).response
+    assert torch.equal(first, again)
+    assert len({tuple(r.tolist()) for r in first}) > 4
+
+
+def test_ppo_with_vllm_learns_like_transformers(files, tmp_path):
+    """A short PPO run with --engine vllm: the weights are synced every step (the sampler's log-probs equal the
+    trainer's at every step, after every update) and the reward rises as it does with --engine transformers
+    from the same seed."""
+    _vllm()
+    from tether.ppo.train import train
+
+    trends, seconds_sync = {}, {}
+    for engine in ("transformers", "vllm"):
+        cfg = tiny_config(tmp_path / engine, *files, steps=8, batch_size=16, generation__engine=engine,
+                          generation__max_new_tokens=8, optim__lr=3e-3, data__eval_fraction=0.25, eval__every=4)
+        train(cfg)
+        rows = [json.loads(line) for line in (tmp_path / engine / "run" / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "objective/scores_raw" in r]
+        trends[engine] = [r["objective/scores_raw"] for r in rows]
+        seconds_sync[engine] = [r["perf/seconds_weight_sync"] for r in rows]
+        if engine == "vllm":
+            assert all(r["rollout/logprob_gap_max"] < 1e-4 for r in rows)
+            assert sum("eval/reward" in r for r in rows) == 2  # greedy evaluation through the engine too
+    for engine, scores in trends.items():
+        assert sum(scores[-3:]) / 3 > sum(scores[:2]) / 2 + 0.03, (engine, scores)  # measured: +0.07 to +0.09
+    assert all(s > 0 for s in seconds_sync["vllm"]) and not any(seconds_sync["transformers"])
+
+
+def test_policy_weights_fold_lora_in_as_peft_merges(files):
+    """LoRA weights for the engine: W + scale·B·A per adapted layer under the base layer's name, equal to peft's
+    own merge_and_unload of a copy (GPT-2's Conv1D stores W transposed: peft's fan_in_fan_out), and the
+    training model is left as it was (its outputs unchanged, nothing merged in place)."""
+    model, _ = _leaky_policy(files[0], lora=True)
+    ids = torch.randint(0, 40, (2, 9))
+    before = model(input_ids=ids).logits
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    weights = policy_weights(model)
+    assert set(weights) == set(merged)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert not torch.equal(weights["transformer.h.0.attn.c_attn.weight"],
+                           model.get_base_model().transformer.h[0].attn.c_attn.base_layer.weight)
+    assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_kv_cache_bytes_by_hand():
+    """2 (K and V) · layers · kv heads · head width · bytes, per token: GPT-2 small (12 layers, 12 heads of 64)
+    in fp32 holds 73,728 bytes a token; a small cache is raised to 64 MiB."""
+    from transformers import GPT2Config, LlamaConfig
+
+    gpt2 = GPT2Config(n_layer=12, n_head=12, n_embd=768)
+    assert kv_cache_bytes(gpt2, 1000, torch.float32) == 2 * 12 * 12 * 64 * 4 * 1000 == 73_728_000
+    assert kv_cache_bytes(gpt2, 10, torch.float32) == 64 * 2**20
+    gqa = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert kv_cache_bytes(gqa, 10_000, torch.bfloat16) == 2 * 30 * 3 * 64 * 2 * 10_000
+
+
+def test_vllm_engine_is_refused_with_one_line(files, tmp_path, monkeypatch):
+    """--engine vllm without vLLM installed names the install command; with several processes it says to use
+    transformers (one engine per run for now)."""
+    cfg = tiny_config(tmp_path, *files, generation__engine="vllm")
+    model, tokenizer = _leaky_policy(files[0])
+    with pytest.raises(ConfigError, match="one process only"):
+        make_engine(cfg, model, tokenizer, world_size=2)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    with pytest.raises(ConfigError, match="vLLM is not installed") as e:
+        make_engine(cfg, model, tokenizer)
+    assert "pip install" in str(e.value) and "\n" not in str(e.value)
