@@ -110,6 +110,33 @@ def test_param_counts_match_transformers(name, tmp_path):
         critic = _numel(AutoModel.from_config(config)) + _numel(head)
         assert model_static(shape, dataclasses.replace(cfg, value_head=kind), "critic")["trainable"] == critic
     assert model_static(shape, cfg, "reference")["frozen"] == shape.lm_params
+    # Every tensor's (dim 0, numel) — what FSDP2 shards — and whether autocast casts it (a Linear/Conv1D
+    # weight or bias not tied to an embedding: what the bf16 reference twin keeps in bf16).
+    from transformers.pytorch_utils import Conv1D
+
+    for tensors, model in ((shape.lm_tensors, AutoModelForCausalLM.from_config(config)),
+                           (shape.backbone_tensors, AutoModel.from_config(config))):
+        owners: dict[int, list] = {}
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(module)
+        real = [(p.shape[0], p.numel(), all(isinstance(o, (torch.nn.Linear, Conv1D)) for o in owners[id(p)]))
+                for p in model.parameters()]
+        assert sorted(tensors) == sorted(real)
+
+
+@pytest.mark.parametrize("name", ["gpt2_tied", "llama_gqa_untied"])
+def test_bf16_reference_twin_bytes_equal_allocation(name, tmp_path):
+    """A full fine-tune's bf16 reference is tether's frozen twin: matmul weights bf16, embeddings and norms fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from tether.ppo.models import frozen_twin
+
+    config = _config(name)
+    config.save_pretrained(tmp_path)
+    twin = frozen_twin(AutoModelForCausalLM.from_config(config).to(torch.bfloat16))
+    planned = model_static(config_shape(tmp_path), PlanConfig(model=str(tmp_path), dtype="bf16"), "reference")
+    assert planned["weights"] == _bytes(twin.parameters()) > 2 * _numel(twin)
 
 
 # ---------------------------------------------------------------- planned bytes vs allocated bytes
@@ -235,6 +262,56 @@ def test_lora_critic_bytes_equal_allocation(tmp_path):
     assert planned["weights"] == _bytes(list(body.parameters()) + list(head.parameters()))
     assert planned["grads"] == _bytes(p.grad for p in trainable)
     assert planned["adam"] == _adam_bytes(opt)[0]
+
+
+def test_fsdp2_two_processes_allocate_the_planned_bytes_per_process(tmp_path):
+    """ZeRO-3 over 2 GPUs is what FSDP2 on 2 processes allocates, exactly: a bf16 full fine-tune's policy
+    (fp32 masters) and a separate LoRA critic (bf16 base, fp32 adapters and MLP head) after one PPO update
+    (tests/fsdp_memory_worker.py). The tiny GPT-2's vocabulary of 43 rows and the head's Linear(d, 1) do not
+    split evenly: FSDP2 pads each tensor to ceil(d0 / 2) rows, which the plan counts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny import make_policy_dir, make_prompts_file
+
+    repo = Path(__file__).resolve().parents[1]
+    policy, prompts, out = make_policy_dir(tmp_path), make_prompts_file(tmp_path), tmp_path / "bytes.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(repo / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2",
+           str(repo / "tests" / "fsdp_memory_worker.py"), str(policy), str(prompts), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    shape = config_shape(policy)
+    cfg = PlanConfig(model=str(policy), dtype="bf16", zero=3, gpus=2, critic="separate", critic_lora_r=4,
+                     lora_targets="all", value_head="mlp")
+    static = plan(shape, cfg)["static"]
+    assert shape.vocab % 2 == 1  # uneven shards on purpose
+    for role, model in (("actor", "policy"), ("critic", "critic")):
+        planned, measured = static[role], ranks[0][model]
+        assert measured["dtypes"] == ["torch.float32"]  # everything that trains holds fp32 (C5)
+        assert measured["trainable"] == planned["trainable_params"]
+        allocated = {k: measured[k]["allocated"] for k in ("weights", "grads", "adam")}
+        # tether trains fp32 weights with fp32 gradients where the plan's table has bf16 weights and
+        # gradients plus an fp32 master: the same bytes, split 4 + 4 instead of 2 + 2 + 4.
+        assert allocated["weights"] + allocated["grads"] == planned["weights"] + planned["grads"] + planned["master"]
+        assert allocated["adam"] == planned["adam"]
+        assert sum(allocated.values()) == planned["total"]
+        if role == "critic":  # LoRA: no master; weights = bf16 base + fp32 adapters and head, each padded
+            assert (allocated["weights"], allocated["grads"]) == (planned["weights"], planned["grads"])
+        # Process 0 holds the first, full chunk of every tensor; process 1 allocates the same padded
+        # parameter and gradient shards, and Adam moments only for its own (fewer) rows.
+        other = ranks[1][model]
+        assert other["weights"]["allocated"] == measured["weights"]["allocated"]
+        assert other["grads"]["allocated"] == measured["grads"]["allocated"]
+        assert other["adam"]["allocated"] < measured["adam"]["allocated"] == measured["adam"]["local"]
+        assert other["adam"]["local"] + measured["adam"]["local"] == 8 * planned["trainable_params"]
+        print(f"{role}: planned per GPU {[planned[k] for k in ('weights', 'grads', 'master', 'adam')]} = "
+              f"{planned['total']} B; allocated (weights, grads, adam) rank 0 {list(allocated.values())}, rank 1 "
+              f"{[other[k]['allocated'] for k in ('weights', 'grads', 'adam')]}")
 
 
 # ---------------------------------------------------------------- sharding, phases, activations, levers

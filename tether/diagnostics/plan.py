@@ -9,10 +9,19 @@ Static memory of one model (Adam, mixed precision as in the reference):
   trained, full, fp32:   weights 4N, gradients 4N, Adam 8N, no master (the weights are fp32)  → 16N
   trained, LoRA:         frozen base b·N; adapters (and heads) trained in fp32: 4T + 4T + 8T, no master
   frozen (ref, RM):      weights b·N; the reference costs 0 with LoRA (same base, adapter disabled)
+  reference, full, b = 2, from a config.json: b·N_matmul + 4·(N − N_matmul): tether's twin keeps embeddings
+                         and norms in fp32 like the actor's masters, so it computes exactly as the actor
+                         (N_matmul: Linear/Conv1D weights and biases not tied to an embedding)
   N from a config.json: actor/reference = causal LM; critic = backbone + value head (linear d+1 or
   mlp d²+2d+1); RM = backbone + score Linear(d, 1, no bias). LoRA: r·(in + out) per target projection.
   torch's AdamW also keeps a 4-byte ``step`` scalar per parameter tensor: not counted (bytes, not GB).
 ZeRO across ``--gpus`` G: stage ≥1 divides Adam and master by G, ≥2 also gradients, 3 also all weights.
+  Divided as FSDP2 divides (tether's ZeRO-3): each tensor along dim 0 into G chunks of ceil(d0/G) rows, so
+  a GPU holds Σ_tensors ceil(d0/G)·numel/d0 elements (GPU 0, the fullest; the others allocate the same
+  padded parameter and gradient shards). Presets (tensor shapes unknown at the nominal size): ceil(bytes/G).
+tether's trainer holds bf16/fp16 runs' trained weights in fp32 with fp32 gradients and no separate master
+(SPEC C5, autocast): 4N + 4N + 8N, the same total per GPU as 2N + 2N + 4N + 8N (fp32 weights and
+  gradients = this table's weights + gradients + master).
 Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` frees them before rollout).
 
 KV cache (rollout, actor generate):  2·L·B·S·n_kv·d_h·b.
@@ -33,7 +42,7 @@ import json
 from dataclasses import dataclass
 
 from tether.config import add_config_flags, config_to_dict, option, resolve_config
-from tether.diagnostics.shapes import ModelShape, lora_params, resolve_shape
+from tether.diagnostics.shapes import ModelShape, lora_params, lora_tensors, resolve_shape
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -98,41 +107,91 @@ def critic_lora_r(cfg: PlanConfig) -> int:
     return cfg.lora_r if cfg.critic_lora_r is None else cfg.critic_lora_r
 
 
+def value_head_tensors(d: int, kind: str) -> list[tuple[int, int, bool]]:
+    """The value head's tensors, (dim 0, numel, cast) as in :class:`ModelShape`."""
+    if kind == "linear":
+        return [(1, d, True), (1, 1, True)]
+    return [(d, d * d, True), (d, d, True), (1, d, True), (1, 1, True)]
+
+
+STATES = ("weights", "grads", "adam", "master")
+
+
+def _group(tensors, count: int, **nbytes: int) -> dict:
+    """Parameters that hold the same bytes per element in each state (``nbytes``: weights, grads, adam,
+    master). ``tensors``: their (dim 0, numel, cast) shapes, None where only the count is known (presets)."""
+    return {"tensors": tensors, "count": count, "bytes": {k: nbytes.get(k, 0) for k in STATES}}
+
+
 def model_static(shape: ModelShape, cfg: PlanConfig, role: str) -> dict:
-    """Unsharded static memory of one model: params (trainable, frozen) and bytes of each state."""
+    """Unsharded static memory of one model: params (trainable, frozen), bytes of each state, and the
+    parameter ``groups`` they come from (what :func:`sharded_bytes` splits over GPUs)."""
     b, nominal = DTYPE_BYTES[cfg.dtype], shape.nominal_params
-    head = value_head_params(shape.hidden, cfg.value_head)
-    out = {"trainable": 0, "frozen": 0, "weights": 0, "grads": 0, "adam": 0, "master": 0, "note": ""}
-    if role in ("reference", "RM"):
-        if role == "reference" and cfg.lora_r > 0:
-            out["note"] = "shared with the actor (LoRA adapter disabled)"
-            return out
+    exact = nominal is None  # a config.json: every tensor's shape is known
+    head, head_t = value_head_params(shape.hidden, cfg.value_head), value_head_tensors(shape.hidden, cfg.value_head)
+    out = {"trainable": 0, "frozen": 0, "note": "", "groups": []}
+    if role == "reference" and cfg.lora_r > 0:
+        out["note"] = "shared with the actor (LoRA adapter disabled)"
+        groups = []
+    elif role == "reference" and exact and b < 4:
+        # tether's reference twin (tether.ppo.models.frozen_twin): matmul weights in --dtype, embeddings and
+        # norms in fp32 as the actor's masters, so that it computes exactly as the actor under autocast
+        cast = [t for t in shape.lm_tensors if t[2]]
+        rest = [t for t in shape.lm_tensors if not t[2]]
+        groups = [_group(cast, sum(t[1] for t in cast), weights=b), _group(rest, sum(t[1] for t in rest), weights=4)]
+        out["frozen"] = shape.lm_params
+    elif role in ("reference", "RM"):
         # the RM is a sequence-classification model: backbone + score Linear(d, 1, bias=False)
+        tensors = shape.lm_tensors if role == "reference" else shape.backbone_tensors + ((1, shape.hidden, True),)
         frozen = nominal or (shape.lm_params if role == "reference" else shape.backbone_params + shape.hidden)
-        out.update(frozen=frozen, weights=frozen * b)
-        return out
-    if role == "critic" and cfg.critic == "head":
-        out["note"] = "value head on the actor"
-        r, frozen, trainable = cfg.lora_r, 0, head  # trained like the actor's trainable weights
+        groups = [_group(list(tensors) if exact else None, frozen, weights=b)]
+        out["frozen"] = frozen
     else:
-        r = cfg.lora_r if role == "actor" else critic_lora_r(cfg)
-        body = nominal or (shape.lm_params if role == "actor" else shape.backbone_params)
-        extra = head if role == "critic" and nominal is None else 0  # presets: the critic is N, as in the reference
-        if r > 0:
-            frozen = body
-            trainable = lora_params(shape, r, cfg.lora_targets) + extra
+        if role == "critic" and cfg.critic == "head":
+            out["note"] = "value head on the actor"
+            r, frozen, trainable, frozen_t, trainable_t = cfg.lora_r, 0, head, [], head_t  # trained like the actor
         else:
-            frozen, trainable = 0, body + extra
-    if r > 0:  # LoRA: adapters and heads train in fp32 (peft's default, SPEC A6), no master copy
-        out.update(weights=frozen * b + 4 * trainable, grads=4 * trainable)
-    else:  # full fine-tune: fp32 master only when the weights are not fp32
-        out.update(weights=b * trainable, grads=b * trainable, master=0 if b == 4 else 4 * trainable)
-    out.update(trainable=trainable, frozen=frozen, adam=8 * trainable)
+            r = cfg.lora_r if role == "actor" else critic_lora_r(cfg)
+            body = nominal or (shape.lm_params if role == "actor" else shape.backbone_params)
+            body_t = list(shape.lm_tensors if role == "actor" else shape.backbone_tensors)
+            extra = head if role == "critic" and exact else 0  # presets: the critic is N, as in the reference
+            extra_t = head_t if extra else []
+            if r > 0:
+                frozen, frozen_t = body, body_t
+                trainable, trainable_t = lora_params(shape, r, cfg.lora_targets) + extra, \
+                    lora_tensors(shape, r, cfg.lora_targets) + extra_t
+            else:
+                frozen, frozen_t, trainable, trainable_t = 0, [], body + extra, body_t + extra_t
+        if not exact:
+            frozen_t = trainable_t = None
+        if r > 0:  # LoRA: adapters and heads train in fp32 (peft's default, SPEC A6), no master copy
+            groups = [_group(frozen_t, frozen, weights=b), _group(trainable_t, trainable, weights=4, grads=4, adam=8)]
+        else:  # full fine-tune: fp32 master only when the weights are not fp32
+            groups = [_group(trainable_t, trainable, weights=b, grads=b, adam=8, master=0 if b == 4 else 4)]
+        out.update(trainable=trainable, frozen=frozen)
+    out["groups"] = groups
+    out.update({k: sum(g["bytes"][k] * g["count"] for g in groups) for k in STATES})
     return out
 
 
+def shard_elements(tensors, gpus: int) -> int:
+    """Elements of ``tensors`` on the GPU holding the most when each is split along dim 0 as FSDP2 does: into
+    ``gpus`` chunks of ceil(d0 / G) rows (the last ones shorter or empty), the first chunk on GPU 0. FSDP2
+    allocates the parameter and gradient shards padded to that size on every GPU (AdamW's moments only on
+    the rows a GPU owns: GPU 0's are the largest, so its total is the figure)."""
+    return sum(-(-d0 // gpus) * (numel // d0) for d0, numel, _ in tensors)
+
+
+def sharded_bytes(s: dict, state: str, gpus: int) -> int:
+    """Per-GPU bytes of ``state`` of a model (:func:`model_static`) sharded over ``gpus``: per tensor, as FSDP2
+    (:func:`shard_elements`); a preset, whose tensors are not known, splits its bytes evenly (ceil)."""
+    if any(g["tensors"] is None for g in s["groups"]):
+        return _shard(s[state], gpus)
+    return sum(g["bytes"][state] * shard_elements(g["tensors"], gpus) for g in s["groups"])
+
+
 def _shard(x: int, gpus: int) -> int:
-    return -(-x // gpus)  # ZeRO pads partitions to equal size: ceil
+    return -(-x // gpus)  # an even split of a flat buffer padded to G equal parts: ceil
 
 
 def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
@@ -145,11 +204,11 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
         cpu = 0
         if (role == "reference" and cfg.offload_ref or role == "RM" and cfg.offload_rm) and s["weights"]:
             cpu, s["weights"] = s["weights"], 0
+            for g in s["groups"]:
+                g["bytes"]["weights"] = 0
             s["note"] = "weights offloaded to CPU"
-        per_gpu = {"weights": _shard(s["weights"], G) if z >= 3 else s["weights"],
-                   "grads": _shard(s["grads"], G) if z >= 2 else s["grads"],
-                   "adam": _shard(s["adam"], G) if z >= 1 else s["adam"],
-                   "master": _shard(s["master"], G) if z >= 1 else s["master"]}
+        stage = {"weights": 3, "grads": 2, "adam": 1, "master": 1}  # the ZeRO stage that shards each state
+        per_gpu = {k: sharded_bytes(s, k, G) if z >= stage[k] else s[k] for k in STATES}
         static[role] = {**per_gpu, "total": sum(per_gpu.values()), "trainable_params": s["trainable"],
                         "frozen_params": s["frozen"], "cpu_bytes": cpu, "note": s["note"]}
         for phase in PHASES:

@@ -29,6 +29,37 @@ class ModelShape:
     lm_params: int  # AutoModelForCausalLM: backbone + LM head (0 extra when tied)
     lora_shapes: dict  # "attn"/"mlp" -> ((in, out), ...) of the LoRA target projections of one layer
     nominal_params: int | None = None  # presets: the size in the name, used for every model's static memory
+    # Every parameter tensor as (dim 0, numel, autocast-cast), in module order: what FSDP2 shards (row-wise,
+    # dim 0) and what the bf16 reference twin keeps in bf16 (cast = a Linear/Conv1D weight or bias, untied).
+    backbone_tensors: tuple = ()  # AutoModel
+    lm_tensors: tuple = ()  # AutoModelForCausalLM: the backbone + an untied LM head
+
+
+def _gpt2_tensors(d: int, L: int, V: int, P: int, ff: int) -> list[tuple[int, int, bool]]:
+    """GPT-2's parameters; its Conv1D weights are (in, out), so dim 0 is the input size."""
+    def norm():
+        return [(d, d, False), (d, d, False)]  # LayerNorm weight, bias
+
+    layer = (norm() + [(d, d * 3 * d, True), (3 * d, 3 * d, True), (d, d * d, True), (d, d, True)] + norm()
+             + [(d, d * ff, True), (ff, ff, True), (ff, ff * d, True), (d, d, True)])
+    return [(V, V * d, False), (P, P * d, False)] + layer * L + norm()
+
+
+def _llama_tensors(family: str, c: dict, d: int, L: int, V: int, q: int, k: int, ff: int, hd: int
+                   ) -> list[tuple[int, int, bool]]:
+    """A Llama-like model's parameters; ``nn.Linear`` weights are (out, in), so dim 0 is the output size."""
+    bias_qkv = family == "qwen2" or c.get("attention_bias", False)
+    bias_o = family != "qwen2" and c.get("attention_bias", False)
+    mlp_bias = c.get("mlp_bias", False)
+
+    def linear(i: int, o: int, bias: bool) -> list[tuple[int, int, bool]]:
+        return [(o, o * i, True)] + ([(o, o, True)] if bias else [])
+
+    layer = (linear(d, q, bias_qkv) + linear(d, k, bias_qkv) + linear(d, k, bias_qkv) + linear(q, d, bias_o)
+             + ([(hd, hd, False), (hd, hd, False)] if family == "qwen3" else [])  # q_norm, k_norm
+             + linear(d, ff, mlp_bias) + linear(d, ff, mlp_bias) + linear(ff, d, mlp_bias)
+             + [(d, d, False), (d, d, False)])  # input and post-attention RMSNorm
+    return [(V, V * d, False)] + layer * L + [(d, d, False)]
 
 
 # name -> (nominal params, family, L, d, n_h, n_kv, d_ff, V, tied, shapes of)
@@ -63,6 +94,7 @@ def _shape(name, family, c: dict, nominal=None) -> ModelShape:
         layer = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
         backbone = V * d + P * d + L * layer + 2 * d
         lora = {"attn": ((d, 3 * d), (d, d)), "mlp": ((d, ff), (ff, d))}
+        tensors = _gpt2_tensors(d, L, V, P, ff)
     else:
         d, L, h, V = g("hidden_size"), g("num_hidden_layers"), g("num_attention_heads"), g("vocab_size")
         ff = g("intermediate_size")
@@ -79,9 +111,11 @@ def _shape(name, family, c: dict, nominal=None) -> ModelShape:
         norms = 2 * d + (2 * hd if family == "qwen3" else 0)  # Qwen3 adds q_norm, k_norm over d_h
         backbone = V * d + L * (attn + mlp + norms) + d
         lora = {"attn": ((d, q), (d, k), (d, k), (q, d)), "mlp": ((d, ff), (d, ff), (ff, d))}
+        tensors = _llama_tensors(family, c, d, L, V, q, k, ff, hd)
     lm = backbone + (0 if tied else V * d)
+    lm_tensors = tensors + ([] if tied else [(V, V * d, True)])
     return ModelShape(name, family, L, d, h, kv, hd, ff, V, bool(tied), backbone, lm, lora,
-                      None if nominal is None else int(nominal))
+                      None if nominal is None else int(nominal), tuple(tensors), tuple(lm_tensors))
 
 
 def preset_shape(name: str) -> ModelShape:
@@ -124,6 +158,12 @@ def resolve_shape(model: str) -> ModelShape:
     if Path(model).exists() or "/" in model or model.endswith(".json"):
         return config_shape(model)
     raise TetherError(f"--model: unknown preset {model!r} (presets: {', '.join(PRESETS)}; or a config.json path)")
+
+
+def lora_tensors(shape: ModelShape, r: int, targets: str = "attn") -> list[tuple[int, int, bool]]:
+    """The LoRA adapters' tensors, (dim 0, numel, cast) as in ModelShape: A is (r, in), B is (out, r)."""
+    pairs = shape.lora_shapes["attn"] + (shape.lora_shapes["mlp"] if targets == "all" else ())
+    return [t for i, o in pairs for t in ((r, r * i, True), (o, o * r, True))] * shape.layers
 
 
 def lora_params(shape: ModelShape, r: int, targets: str = "attn") -> int:

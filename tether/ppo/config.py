@@ -18,7 +18,9 @@ from tether.hf import DTYPE_ALIASES, DTYPES
 @dataclass
 class ModelConfig:
     policy: str = option("", "policy: a local Hugging Face causal-LM directory or a preset name", flag="--policy")
-    dtype: str = option("fp32", "weights dtype of the frozen parts; trainable weights stay fp32 (C5)",
+    dtype: str = option("fp32", "compute dtype (C5): bf16/fp16 load the policy in it and run every forward and "
+                        "the sampling under autocast, with fp32 masters for all that trains (fp16: a loss scaler); "
+                        "frozen weights (LoRA base, reference) stay in it; fp32 = no autocast",
                         choices=tuple(DTYPES), value_aliases=DTYPE_ALIASES)
     lora_r: int = option(0, "LoRA rank for the policy; 0 = full fine-tune (the reference is then a frozen copy)",
                          low=0, flag="--lora-r")

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.errors import ConfigError
+from tether.hf import DTYPES
 from tether.ppo.records import Rollout
 from tether.ppo.rollout import generate
 
@@ -66,7 +67,8 @@ def make_engine(cfg, model, tokenizer, world_size: int = 1) -> Engine:
         from tether.ppo.vllm_engine import VLLMEngine
 
         max_model_len = min(cfg.data.max_prompt_length + cfg.generation.max_new_tokens, context_length(model))
-        return VLLMEngine(model, tokenizer, max_model_len, rows=cfg.batch_size, seed=cfg.seed)
+        return VLLMEngine(model, tokenizer, max_model_len, rows=cfg.batch_size, seed=cfg.seed,
+                          dtype=DTYPES[cfg.model.dtype])
     raise ConfigError(f"--engine: unknown rollout engine {name!r}; available: {', '.join(ENGINES)}")
 
 

@@ -35,9 +35,10 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
         chunk = rows[start:start + cfg.batch_size]
         prompts, fields = [r["prompt"] for r in chunk], collate_fields(chunk)
         rollout, responses = rollout_batch(m, cfg, chunk, greedy=cfg.eval.greedy)
-        logprobs, _, _ = forward_response(model, rollout, cfg.generation.temperature)
-        with m.policy.reference_model(model) as reference:
-            logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
+        with m.precision.autocast():  # C5: as the step scores them
+            logprobs, _, _ = forward_response(model, rollout, cfg.generation.temperature)
+            with m.policy.reference_model(model) as reference:
+                logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
         kl = (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator) * rollout.response_mask).sum(dim=1)
         # Rules get the EOS flags: the math rules never credit a reply cut by max_new_tokens.
         scores = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos)

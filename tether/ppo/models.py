@@ -1,14 +1,21 @@
 """Load the PPO models: policy (optionally LoRA), reference, critic (value head or separate model).
 
 B3: with LoRA the reference is the policy's own base with the adapter disabled (no second copy);
-with a full fine-tune it is a frozen copy loaded from the same directory. B6: the critic is either a
-value head on the policy's last hidden state (the backbone is shared and detached) or a separate
-backbone with a value head. C5: trainable weights are kept in fp32.
+with a full fine-tune it is a frozen twin of the policy as loaded (:func:`frozen_twin`). B6: the critic is
+either a value head on the policy's last hidden state (the backbone is shared and detached) or a separate
+backbone with a value head.
+
+C5, mixed precision: with ``--model-dtype bf16`` (or fp16) the checkpoint is loaded in that dtype, everything
+that trains is held in fp32 (the masters: the policy, a separate critic, the value head, LoRA adapters), and
+every forward of policy, reference and critic, generation included, runs under ``torch.autocast`` in that
+dtype (:class:`Precision`). fp32 runs have autocast off and are unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,11 +67,76 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target: str, task_type
     targets = "all-linear" if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         task_type=task_type)
-    model = get_peft_model(model, config)
+    return upcast_trainable(get_peft_model(model, config))
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the run computes (C5): ``dtype`` is ``--model-dtype``; bf16/fp16 forwards run under
+    ``torch.autocast`` (matmuls in ``dtype``; the residual stream, norms and everything autocast leaves alone
+    in the parameters' fp32), fp32 runs with autocast off. fp16 also needs a loss scaler: gradients below
+    fp16's smallest normal (6e-5) would flush to 0, so the loss is multiplied by a scale S before backward,
+    gradients divided by S before clipping, and a step with inf/NaN gradients is skipped while S halves."""
+
+    dtype: torch.dtype
+    device_type: str
+
+    @property
+    def mixed(self) -> bool:
+        return self.dtype != torch.float32
+
+    def autocast(self):
+        """The context every policy, reference and critic forward runs in (a no-op for fp32)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Enabled for fp16 only; disabled, its ``scale``/``unscale_``/``step``/``update`` are pass-throughs."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
+
+
+def upcast_trainable(model: nn.Module) -> nn.Module:
+    """Every trainable parameter to fp32, in place: the fp32 masters (exact, a bf16/fp16 value is an fp32
+    value). Buffers keep their dtype, as in the reference twin."""
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and p.is_floating_point():
             p.data = p.data.float()
     return model
+
+
+def autocast_cast_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters autocast casts to the compute dtype before every use: the weights and biases of
+    ``nn.Linear`` (``F.linear``) and transformers' ``Conv1D`` (``torch.addmm``), unless a parameter is shared
+    with another kind of module (a tied embedding is also looked up, outside autocast's casts)."""
+    from transformers.pytorch_utils import Conv1D
+
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    return {i for i, mods in owners.items() if all(isinstance(m, (nn.Linear, Conv1D)) for m in mods)}
+
+
+def frozen_twin(model: nn.Module) -> nn.Module:
+    """The full fine-tune's reference (B3, C5): a frozen copy of the policy as loaded (``model``, in the
+    checkpoint's ``--model-dtype``, before :func:`upcast_trainable`), that computes exactly as the policy's fp32
+    masters do under autocast. Two rules make it exact:
+
+    - a parameter autocast casts to the compute dtype before use (:func:`autocast_cast_parameters`) stays in
+      the loaded dtype: cast(fp32 master) = cast(loaded value) = the loaded value, bit for bit;
+    - every other parameter (embeddings, norms, tied weights) is held in fp32 like the policy's, since its
+      dtype sets the dtype of the ops that read it: a bf16 embedding would make a bf16 residual stream where
+      the policy's is fp32 (a bf16-everywhere reference is 2e-3 off in log-prob on the tiny GPT-2).
+
+    Memory: compute-dtype bytes for the matmul weights, 4 bytes for the rest (embeddings and norms, ~2% of a
+    7B model's parameters). For fp32 it is a plain frozen copy."""
+    twin = copy.deepcopy(model)
+    cast = autocast_cast_parameters(twin)
+    for p in twin.parameters():
+        if id(p) not in cast and p.is_floating_point():
+            p.data = p.data.float()
+    return twin.requires_grad_(False).eval()
 
 
 class Policy(nn.Module):
@@ -97,17 +169,20 @@ class Policy(nn.Module):
 
 
 def load_policy(cfg_model) -> tuple[Policy, object, Path]:
-    """Policy (+ LoRA) and reference from ``cfg_model`` (a ``ModelConfig``); returns (policy, tokenizer, path)."""
+    """Policy (+ LoRA) and reference from ``cfg_model`` (a ``ModelConfig``); returns (policy, tokenizer, path).
+    The checkpoint is loaded once, in ``--model-dtype``: LoRA trains fp32 adapters on that frozen base (the
+    reference is the base, adapter disabled); a full fine-tune trains fp32 masters of the loaded values, next
+    to their :func:`frozen_twin` (the reference), so both start from the same numbers."""
     path = resolve_model_path(cfg_model.policy, what="policy")
     tokenizer = load_tokenizer(path, cfg_model.trust_remote_code)
-    model = load_causal_lm(path, "fp32" if cfg_model.lora_r == 0 else cfg_model.dtype,
-                           cfg_model.trust_remote_code)
+    model = load_causal_lm(path, cfg_model.dtype, cfg_model.trust_remote_code)
     reference = None
     if cfg_model.lora_r > 0:
         model = apply_lora(model, cfg_model.lora_r, cfg_model.lora_alpha, cfg_model.lora_dropout,
                            cfg_model.lora_target_modules)
     else:
-        reference = load_causal_lm(path, cfg_model.dtype, cfg_model.trust_remote_code)
+        reference = frozen_twin(model)
+        upcast_trainable(model)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg_model.gradient_checkpointing:
@@ -130,7 +205,10 @@ class ValueHead(nn.Module):
         nn.init.zeros_(last.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, S, H) -> (B, S)
-        return self.net(hidden.float()).squeeze(-1)
+        # In fp32 even under autocast: the head is at most H² + 2H + 1 parameters, and bf16 would round a
+        # value of 2.0 to a multiple of 2⁻⁶ (8 bits of mantissa), coarser than the advantages it feeds.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.net(hidden.float()).squeeze(-1)
 
 
 class SeparateCritic(nn.Module):

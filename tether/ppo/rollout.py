@@ -175,7 +175,9 @@ def forward_response(model, batch: Rollout, temperature: float, need_hidden: boo
     kwargs = {"logits_to_keep": T + 1} if _accepts_logits_to_keep(model) else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=need_hidden, use_cache=False, **kwargs)
-    logits = out.logits[:, -(T + 1):-1] / temperature  # (B, T, V): logits at P-1 … P+T-2
+    # (B, T, V): logits at P-1 … P+T-2, in fp32 before the temperature, as generate processes them (B1; a no-op
+    # for an fp32 forward, bf16/fp16 logits under autocast, C5)
+    logits = out.logits[:, -(T + 1):-1].float() / temperature
     if batch.min_new_tokens and batch.eos_ids:
         logits = without_early_eos(logits, batch.eos_ids, batch.min_new_tokens)
     logprobs = logprobs_from_logits(logits, batch.response)

@@ -4,8 +4,9 @@
 
 - :class:`Processes` — the accelerator, this process's rank, the cross-process reductions the step's
   metrics need, and the one place that decides what only the main process does (``is_main``);
-- :class:`Models` — tokenizer, policy (and its reference), critic;
-- :class:`Optimisation` — optimisers, schedulers, the parameters they own, the KL controller;
+- :class:`Models` — tokenizer, policy (and its reference), critic, and the precision they compute in (C5);
+- :class:`Optimisation` — optimisers, schedulers, the parameters they own, the fp16 loss scaler, the KL
+  controller;
 - :class:`Data` — the prompt stream, held-out rows, reward sources, the gold rule, the score normaliser.
 
 ``tether.ppo.step`` reads the same on one CPU process and under ``accelerate launch --num_processes N``.
@@ -24,8 +25,17 @@ from torch import nn
 
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
+from tether.hf import DTYPES
 from tether.ppo.engines import Engine, make_engine
-from tether.ppo.models import Policy, ValueHead, load_critic, load_policy, load_tokenizer, same_vocabulary
+from tether.ppo.models import (
+    Policy,
+    Precision,
+    ValueHead,
+    load_critic,
+    load_policy,
+    load_tokenizer,
+    same_vocabulary,
+)
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.prompts import PromptStream, load_prompts
 from tether.ppo.rollout import encode_prompts
@@ -130,6 +140,7 @@ class Models:
     critic: nn.Module              # ValueHead on the policy's hidden states, or SeparateCritic
     unwrapped_critic: nn.Module
     engine: Engine                 # samples the rollouts (C3): --engine, over unwrapped_policy
+    precision: Precision           # every policy/reference/critic forward runs in precision.autocast() (C5)
     fsdp: FsdpSettings | None = None
 
     @property
@@ -148,6 +159,7 @@ class Optimisation:
     policy_params: list[nn.Parameter]
     critic_params: list[nn.Parameter]
     kl_controller: FixedKLController   # fixed, adaptive or proportional (same interface)
+    scaler: torch.amp.GradScaler       # fp16 loss scaling of the policy + value loss; a pass-through otherwise
 
 
 @dataclass
@@ -245,7 +257,7 @@ def chat_template_on(cfg, tokenizer) -> bool:
     return use
 
 
-def make_optimisation(cfg, policy: Policy, critic: nn.Module) -> Optimisation:
+def make_optimisation(cfg, policy: Policy, critic: nn.Module, precision: Precision) -> Optimisation:
     from transformers import get_scheduler
 
     o = cfg.optim
@@ -259,7 +271,8 @@ def make_optimisation(cfg, policy: Policy, critic: nn.Module) -> Optimisation:
         policy_scheduler=get_scheduler(o.schedule, policy_optimizer, o.warmup_steps, total_updates),
         critic_scheduler=get_scheduler(o.schedule, critic_optimizer, o.warmup_steps, total_updates),
         policy_params=policy_params, critic_params=critic_params,
-        kl_controller=make_kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon))
+        kl_controller=make_kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon),
+        scaler=precision.grad_scaler())
 
 
 def probe_rules(sources: list, rows: list[dict]) -> None:
@@ -299,7 +312,7 @@ def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: l
 
 
 def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer, use_chat_template: bool,
-               optim: Optimisation, cfg) -> Models:
+               optim: Optimisation, cfg, precision: Precision) -> Models:
     """Policy and critic wrapped by ``accelerator.prepare`` (DDP under several processes)."""
     accelerator = processes.accelerator
     policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
@@ -310,17 +323,18 @@ def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenize
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy_model, unwrapped_policy=unwrapped_policy,
                   critic=critic, unwrapped_critic=accelerator.unwrap_model(critic),
-                  engine=make_engine(cfg, unwrapped_policy, tokenizer, processes.world_size))
+                  engine=make_engine(cfg, unwrapped_policy, tokenizer, processes.world_size), precision=precision)
 
 
 def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer,
-                   use_chat_template: bool, cfg) -> Models:
+                   use_chat_template: bool, cfg, precision: Precision) -> Models:
     """Policy and critic sharded with FSDP2 (tether.ppo.sharding), in place; the reference stays whole."""
     shard(policy.model, processes.fsdp, processes.device).train()
     shard(critic, processes.fsdp, processes.device).train()
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy.model, unwrapped_policy=policy.model, critic=critic, unwrapped_critic=critic,
-                  engine=make_engine(cfg, policy.model, tokenizer, processes.world_size), fsdp=processes.fsdp)
+                  engine=make_engine(cfg, policy.model, tokenizer, processes.world_size), precision=precision,
+                  fsdp=processes.fsdp)
 
 
 def setup(cfg) -> Run:
@@ -329,6 +343,12 @@ def setup(cfg) -> Run:
     hf_logging.disable_progress_bar()  # tether shows its own progress
     processes = make_processes(cfg)
     seed_everything(cfg.seed, processes.rank)
+    precision = Precision(DTYPES[cfg.model.dtype], processes.device.type)
+    if processes.fsdp is not None and precision.dtype == torch.float16:
+        # GradScaler decides to skip a step from the gradients it sees: under FSDP2 each process sees only its
+        # shard, so processes could disagree on skipping and on the next scale.
+        raise TetherError("--model-dtype fp16 under FSDP2: not supported (the loss scaler would need a "
+                          "cross-process inf check); use bf16, or fp16 with DDP")
 
     train_rows, eval_rows = load_prompt_sets(cfg)
     policy, tokenizer, policy_path = load_policy(cfg.model)
@@ -342,12 +362,12 @@ def setup(cfg) -> Run:
     if policy.reference is not None:
         policy.reference.to(processes.device)  # frozen: a whole copy on every process, never sharded
     if processes.fsdp is not None:
-        models = sharded_models(processes, policy, critic, tokenizer, use_chat_template, cfg)
-        optim = make_optimisation(cfg, policy, critic)  # after sharding: the parameters are DTensors now
+        models = sharded_models(processes, policy, critic, tokenizer, use_chat_template, cfg, precision)
+        optim = make_optimisation(cfg, policy, critic, precision)  # after sharding: the parameters are DTensors
     else:
-        optim = make_optimisation(cfg, policy, critic)
-        models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg)
+        optim = make_optimisation(cfg, policy, critic, precision)
+        models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg, precision)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
                 running_scores=RunningMoments())
-    return Run(processes, models, optim, data, throughput_of(models, processes.device))
+    return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))

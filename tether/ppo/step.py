@@ -62,12 +62,12 @@ class PhaseTimer:
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
     """Encode prompts, sample responses with the run's rollout engine, decode the valid response tokens.
     ``models``: :class:`~tether.ppo.setup.Models`. A sharded policy is gathered once for the whole generation
-    (collective: every process calls this)."""
+    (collective: every process calls this). Sampling runs in the precision the log-probs are scored in (B1, C5)."""
     query, query_mask = encode_prompts(models.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
                                        models.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
     g = cfg.generation
     device = models.unwrapped_policy.device
-    with gathered(models.unwrapped_policy, models.fsdp):
+    with gathered(models.unwrapped_policy, models.fsdp), models.precision.autocast():
         rollout = models.engine.generate(query.to(device), query_mask.to(device), g.max_new_tokens, g.temperature,
                                          greedy=greedy, min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
@@ -94,16 +94,19 @@ def ppo_step(run, cfg, step: int) -> dict:
     lengths = rollout.lengths  # (B,)
 
     with timer("score"):  # charged to its parts, SCORE_PHASES (C2)
-        # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch.
-        logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, cfg.generation.temperature,
-                                                         need_hidden=m.critic_is_head)
-        timer.split("logprobs_old")
-        # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen copy.
-        with m.policy.reference_model(m.policy_model) as reference:
-            logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
-        timer.split("reference")
-        # 4. Values of s_0 … s_T; V(s_T) bootstraps rows cut by max_new_tokens, 0 after EOS (B7).
-        values_all = critic_values(m.critic, rollout, hidden)  # (B, T+1)
+        # Steps 2-4 compute in the run's precision (C5): policy and reference alike, so that before any update
+        # log π_old = log π_ref to the bit and the KL is exactly 0.
+        with m.precision.autocast():
+            # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch.
+            logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, cfg.generation.temperature,
+                                                             need_hidden=m.critic_is_head)
+            timer.split("logprobs_old")
+            # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen twin.
+            with m.policy.reference_model(m.policy_model) as reference:
+                logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
+            timer.split("reference")
+            # 4. Values of s_0 … s_T; V(s_T) bootstraps rows cut by max_new_tokens, 0 after EOS (B7).
+            values_all = critic_values(m.critic, rollout, hidden)  # (B, T+1)
         values_old = values_all[:, :-1] * mask
         last_values = values_all[torch.arange(len(rollout), device=p.device), lengths] \
             * (~rollout.ended_with_eos).float()
@@ -317,13 +320,15 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
 
 
 def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Tensor) -> dict:
-    """Forward one micro-batch, backward ``weight ×`` (−L_CLIP + c1·L_VF − c2·H); returns its stats."""
+    """Forward one micro-batch, backward ``weight ×`` (−L_CLIP + c1·L_VF − c2·H) (times the fp16 loss scale);
+    returns its stats."""
     m = run.models
     mask = mb.response_mask.float()
-    with (torch.no_grad() if critic_only else torch.enable_grad()):
-        logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
-                                                     need_hidden=m.critic_is_head)
-    values = critic_values(m.critic, mb.rollout, hidden)[:, :-1]  # (B, T)
+    with m.precision.autocast():  # the forwards only: log-probs, values and the losses are fp32
+        with (torch.no_grad() if critic_only else torch.enable_grad()):
+            logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
+                                                         need_hidden=m.critic_is_head)
+        values = critic_values(m.critic, mb.rollout, hidden)[:, :-1]  # (B, T)
     clip_v = cfg.ppo.clip_range_value or None
     value_loss, value_stats = ppo_value_loss(values, mb.values_old, mb.returns, mask, clip_v)
     loss = cfg.ppo.vf_coef * value_loss
@@ -339,27 +344,32 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
                       "policy/ratio_mean": policy_stats["ratio_mean"].item(),
                       "policy/ratio_std": policy_stats["ratio_std"].item(),
                       "ratio_max": policy_stats["ratio_max"].item()})
-    run.processes.backward(loss * weight)
+    run.processes.backward(run.optim.scaler.scale(loss * weight))
     return stats
 
 
 def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:
-    """Clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs, or None
-    when a gradient norm is NaN/Inf (B16): then nothing steps, so no NaN reaches the weights or Adam's
-    moments. The norms are of the synchronised gradients (under FSDP2 over all processes' shards), so every
-    process makes the same choice. ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
+    """Unscale (fp16), clip each model's gradient norm, step optimisers and schedulers; returns norms and LRs,
+    or None when a gradient norm is NaN/Inf (B16): then nothing steps, so no NaN reaches the weights or Adam's
+    moments, and the fp16 loss scale halves (an overflow of the scaled loss's gradients is the expected way
+    to find the largest scale that fits). The norms are of the synchronised gradients (under FSDP2 over all
+    processes' shards), so every process makes the same choice. ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
     max_norm = cfg.optim.max_grad_norm or float("inf")
-    out = {}
+    scaler, out = optim.scaler, {}
     if not critic_only:
+        scaler.unscale_(optim.policy_optimizer)  # the norm and its clip are of the true gradients
         out["policy/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
+    scaler.unscale_(optim.critic_optimizer)
     out["value/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
     if not all(math.isfinite(v) for v in out.values()):
+        scaler.update()  # fp16: saw inf, so S /= 2; nothing stepped (the next minibatch zeroes the gradients)
         return None
     if not critic_only:
-        optim.policy_optimizer.step()
+        scaler.step(optim.policy_optimizer)  # finite gradients: a plain optimizer.step()
         optim.policy_scheduler.step()
         out["policy/lr"] = optim.policy_scheduler.get_last_lr()[0]
-    optim.critic_optimizer.step()
+    scaler.step(optim.critic_optimizer)
+    scaler.update()
     optim.critic_scheduler.step()
     out["value/lr"] = optim.critic_scheduler.get_last_lr()[0]
     return out

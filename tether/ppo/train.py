@@ -48,7 +48,8 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
     return {"step": step, "policy_optimizer": optimizers[0], "critic_optimizer": optimizers[1],
             "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": o.critic_scheduler.state_dict(),
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
-            "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank}
+            "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
+            "grad_scaler": o.scaler.state_dict()}  # fp16's loss scale and its growth count; {} otherwise
 
 
 def restore_rng(run, state: dict) -> None:
@@ -85,6 +86,8 @@ def restore(run, run_dir: Path) -> int:
     o.policy_scheduler.load_state_dict(state["policy_scheduler"])
     o.critic_scheduler.load_state_dict(state["critic_scheduler"])
     o.kl_controller.load_state_dict(state["kl_controller"])
+    if state.get("grad_scaler"):  # fp16 (a resumed run has the saved --model-dtype: check_same_config)
+        o.scaler.load_state_dict(state["grad_scaler"])
     d.running_scores.load_state_dict(state["running_scores"])
     d.prompts.load_state_dict(state["prompts"])
     restore_rng(run, state)

@@ -87,7 +87,10 @@ class VLLMEngine:
     name = "vllm"
     syncs_weights = True
 
-    def __init__(self, model, tokenizer, max_model_len: int, rows: int, seed: int):
+    def __init__(self, model, tokenizer, max_model_len: int, rows: int, seed: int,
+                 dtype: torch.dtype = torch.float32):
+        """``dtype``: the run's compute dtype (``--model-dtype``): bf16 runs train fp32 masters under bf16
+        autocast, so the engine computes in bf16, not in the masters' fp32."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # tether shows its own progress
         try:
@@ -95,7 +98,6 @@ class VLLMEngine:
         except ImportError as e:
             raise ConfigError(f"--engine vllm: vLLM is not installed ({e}); {INSTALL}") from None
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        dtype = next(p.dtype for p in base.parameters())
         config = base.config
         heads = getattr(config, "num_attention_heads", None) or config.n_head
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
