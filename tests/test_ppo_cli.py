@@ -92,7 +92,7 @@ def run_cli(args):
     ({"--critic-lora-r": "4"}, "--critic-lora-r: needs --critic separate"),
     ({"--top-p": "0.9"}, "--top-p: 0.9 refused; PPO's log-probs, ratio and KL are of the untruncated"),
     ({"--top-k": "20"}, "--top-k: 20 refused"),
-    ({"--engine": "vllm"}, "--engine: 'vllm' is not one of transformers"),
+    ({"--engine": "sglang"}, "--engine: 'sglang' is not one of transformers, vllm"),
 ])
 def test_bad_input_one_line_exit_2(files, tmp_path, change, expected):
     (tmp_path / "empty.jsonl").write_text("")
