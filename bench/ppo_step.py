@@ -72,6 +72,7 @@ def main() -> int:
     p.add_argument("--critic", choices=("separate", "head"), default="separate")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--fused-adamw", action="store_true", help="torch's fused AdamW kernel (--fused-adamw)")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -96,7 +97,7 @@ def main() -> int:
         cfg.generation.temperature, cfg.kl.coef = 0.7, 0.05
         cfg.optim.lr = cfg.optim.critic_lr = 3e-6
         cfg.ppo.vf_coef, cfg.ppo.early_stop = 0.1, False
-        cfg.steps = a.steps
+        cfg.steps, cfg.optim.fused_adamw = a.steps, a.fused_adamw
         cfg.validate()
         c = setup(cfg)
         rows = [ppo_step(c, cfg, step) for step in range(1, a.steps + 1)]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -387,6 +388,8 @@ def test_trimmed_cuts_only_columns_that_are_padding_in_every_row():
     assert torch.equal(t.advantages, per_token[:, :2]) and torch.equal(t.last_values, experience.last_values)
     assert t.rollout.lengths.tolist() == [2, 1] and torch.equal(t.rollout.ended_with_eos, rollout.ended_with_eos)
     assert (t.rollout.eos_ids, t.rollout.min_new_tokens) == ((3,), 2)  # how the rows were sampled travels along
+    sampled = replace(rollout, logprobs_sampler=-per_token).trimmed()  # an engine's own log-probs are cut alike
+    assert torch.equal(sampled.logprobs_sampler, -per_token[:, :2])
 
 
 @pytest.mark.slow
@@ -396,3 +399,22 @@ def test_two_fsdp2_processes_of_4_equal_one_process_of_8(files, tmp_path):
     optimiser step equal the one-process ones."""
     _assert_same_gradients(_worker_grads(files, tmp_path / "one.pt", 1),
                            _worker_grads(files, tmp_path / "fsdp.pt", 2, processes=2, config="fsdp2.yaml"))
+
+
+def test_fused_adamw_takes_the_same_step_up_to_rounding(files, tmp_path):
+    """--fused-adamw: both optimisers use torch's fused kernel, and one PPO step from one seed lands where the
+    default (foreach) kernel lands, up to float rounding (the two round differently: not bitwise)."""
+    weights = {}
+    for fused in (False, True):
+        cfg = tiny_config(tmp_path / str(fused), *files, critic__kind="separate", optim__fused_adamw=fused)
+        c = setup(cfg)
+        assert bool(c.optim.policy_optimizer.defaults["fused"]) is fused
+        assert bool(c.optim.critic_optimizer.defaults["fused"]) is fused
+        before, _ = _trainable_snapshot(c)
+        ppo_step(c, cfg, 1)
+        weights[fused] = _trainable_snapshot(c)
+    for name, p in weights[False][0].items():
+        assert not torch.equal(p, before[name])
+        torch.testing.assert_close(weights[True][0][name], p, rtol=0, atol=1e-5, msg=name)
+    for name, p in weights[False][1].items():
+        torch.testing.assert_close(weights[True][1][name], p, rtol=0, atol=1e-5, msg=name)

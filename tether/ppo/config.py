@@ -148,6 +148,10 @@ class OptimConfig:
                               low_open=True, flag="--critic-lr")
     weight_decay: float = option(0.0, "AdamW weight decay", low=0.0)
     adam_eps: float = option(1e-8, "AdamW epsilon", low=0.0, low_open=True)
+    fused_adamw: bool = option(False, "torch's fused AdamW kernel (3x faster optimizer step, ~3% of a 10.7M update "
+                               "on CPU; off by default: it rounds differently from the default foreach kernel, "
+                               "so a run would not repeat the figures measured with it off); not under FSDP2",
+                               flag="--fused-adamw")
     max_grad_norm: float = option(1.0, "gradient-norm clip per model; 0 = off", low=0.0)
     warmup_steps: int = option(0, "LR warm-up in optimiser steps", low=0)
     schedule: str = option("constant", "LR schedule after warm-up", choices=("constant", "linear", "cosine"))

@@ -257,14 +257,21 @@ def chat_template_on(cfg, tokenizer) -> bool:
     return use
 
 
+def adamw(params: list, lr: float, o) -> torch.optim.AdamW:
+    """AdamW; with ``--fused-adamw`` torch's fused kernel where it applies (one kernel over all parameters: 12.6 vs
+    38.7 ms per step for the 10.7M bench policy on 2 CPU cores, bench/fast_paths.py; not for FSDP2's DTensors)."""
+    fused = o.fused_adamw and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=o.weight_decay, eps=o.adam_eps, fused=fused or None)
+
+
 def make_optimisation(cfg, policy: Policy, critic: nn.Module, precision: Precision) -> Optimisation:
     from transformers import get_scheduler
 
     o = cfg.optim
     policy_params = [p for p in policy.model.parameters() if p.requires_grad]
     critic_params = [p for p in critic.parameters() if p.requires_grad]
-    policy_optimizer = torch.optim.AdamW(policy_params, lr=o.lr, weight_decay=o.weight_decay, eps=o.adam_eps)
-    critic_optimizer = torch.optim.AdamW(critic_params, lr=o.critic_lr, weight_decay=o.weight_decay, eps=o.adam_eps)
+    policy_optimizer = adamw(policy_params, o.lr, o)
+    critic_optimizer = adamw(critic_params, o.critic_lr, o)
     total_updates = cfg.steps * cfg.ppo.epochs * cfg.ppo.mini_batches
     return Optimisation(
         policy_optimizer=policy_optimizer, critic_optimizer=critic_optimizer,
