@@ -8,7 +8,7 @@ policy; batch 64 prompts of 2–5 words, responses of exactly 48 tokens (EOS not
 measured steps (the first step is warm-up and is dropped) of seconds per phase, tokens per second and
 the peak RSS. Figures go in notes, not in tests.
 
-Usage: python bench/ppo_step.py [--size small|medium] [--critic separate|head] [--steps 6]
+Usage: python bench/ppo_step.py [--size small|medium] [--critic separate|head] [--steps 6] [--fused-adamw] [--no-trim]
 """
 
 import argparse
@@ -73,6 +73,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--fused-adamw", action="store_true", help="torch's fused AdamW kernel (--fused-adamw)")
+    p.add_argument("--no-trim", action="store_true", help="compute on the padded batch (ppo.trim_padding off)")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -97,7 +98,7 @@ def main() -> int:
         cfg.generation.temperature, cfg.kl.coef = 0.7, 0.05
         cfg.optim.lr = cfg.optim.critic_lr = 3e-6
         cfg.ppo.vf_coef, cfg.ppo.early_stop = 0.1, False
-        cfg.steps, cfg.optim.fused_adamw = a.steps, a.fused_adamw
+        cfg.steps, cfg.optim.fused_adamw, cfg.ppo.trim_padding = a.steps, a.fused_adamw, not a.no_trim
         cfg.validate()
         c = setup(cfg)
         rows = [ppo_step(c, cfg, step) for step in range(1, a.steps + 1)]
