@@ -5,7 +5,9 @@ new tokens, with each engine's start-up and weight-sync cost, on the bench's 10.
 would), syncs them into the engine and samples; engines alternate within a repeat, median of the repeats. The
 vLLM rollout's sampled-token log-probs are checked against the trainer's forward (the gap is printed).
 
-Needs vLLM in the environment (docs/sampling.md); without it only the transformers engine is measured.
+Needs vLLM in the environment (docs/sampling.md); without it only the transformers engine is measured. On a CUDA
+machine it runs there (fp32; vLLM with sleep mode between rollouts): the GPU figure issue #14 asks for, not yet
+run (no GPU was lent).
 
 Usage: python bench/rollout.py [--size medium|small | --model PRESET_OR_DIR] [--batch 64] [--new-tokens 48]
        [--repeats 3] [--json FILE]
@@ -38,7 +40,8 @@ def policy_and_prompts(root: Path, a):
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))).capitalize() for _ in range(a.batch)]
     query, query_mask = encode_prompts(tokenizer, prompts, 64, False)
-    return model.eval(), tokenizer, query, query_mask
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a GPU: the prepared GPU check
+    return model.to(device).eval(), tokenizer, query.to(device), query_mask.to(device)
 
 
 def make(name: str, model, tokenizer, a):
@@ -92,6 +95,8 @@ def main() -> int:
                 torch.manual_seed(repeat)
                 t = time.perf_counter()
                 rollout = engine.generate(query, query_mask, a.new_tokens, 0.7, min_new_tokens=a.new_tokens)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # kernels are asynchronous: time what they did, not their launch
                 seconds[name]["generate"].append(time.perf_counter() - t)
                 assert int(rollout.lengths.sum()) == a.batch * a.new_tokens
                 if rollout.logprobs_sampler is not None:
@@ -100,8 +105,9 @@ def main() -> int:
                     gap = float(((rollout.logprobs_sampler - logprobs).abs() * rollout.response_mask).max())
     tokens = a.batch * a.new_tokens
     label = a.model or f"{a.size} GPT-2"
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{torch.get_num_threads()} CPU threads"
     print(f"rollout engines: {label} ({n_params / 1e6:.1f}M params), batch {a.batch} x {a.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, median of {a.repeats}")
+          f"{where}, median of {a.repeats}")
     print(f"  {'engine':14s} {'start-up s':>10s} {'sync s':>8s} {'generate s':>10s} {'tokens/s':>9s}")
     figures = {}
     for name in names:
