@@ -60,6 +60,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
                    "spiece.model", "sentencepiece.bpe.model")
 
 
+def context_positions(config) -> int | None:
+    """How many positions a model's config gives it (GPT-2's ``n_positions``, else ``max_position_embeddings``;
+    the text part of a multimodal config); None when it does not say."""
+    text_config = config.get_text_config()
+    return getattr(text_config, "n_positions", None) or getattr(text_config, "max_position_embeddings", None)
+
+
 def check_tokenizer_files(path) -> None:
     from tether.errors import TetherError
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
-from tether.hf import DTYPES
+from tether.hf import DTYPES, context_positions
 from tether.ppo.engines import Engine, make_engine
 from tether.ppo.models import (
     Policy,
@@ -303,8 +303,7 @@ def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: l
     """Prompt (after --max-prompt-length) + --max-new-tokens must fit the policy's positions, else the
     position embeddings are indexed past their end mid-run. Tokenises the prompts only when the
     configured lengths could overflow."""
-    text_config = model_config.get_text_config()
-    context = getattr(text_config, "n_positions", None) or getattr(text_config, "max_position_embeddings", None)
+    context = context_positions(model_config)
     g, d = cfg.generation, cfg.data
     if not context or d.max_prompt_length + g.max_new_tokens <= context:
         return

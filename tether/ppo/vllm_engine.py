@@ -70,13 +70,18 @@ def untied(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return kept
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(layers, K/V heads, head width) of a transformers config (GPT-2's n_layer/n_head/n_embd are reachable
+    under these names through its attribute map)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for ``tokens`` tokens: 2 · layers · kv_heads · head_dim · bytes per token (reference 000
     §C's KV-cache formula), at least 64 MiB so that vLLM's block allocator has room."""
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers, kv_heads, head_dim = attention_shape(config)
     per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     return max(per_token * tokens, 64 * 2**20)
 
@@ -99,8 +104,7 @@ class VLLMEngine:
             raise ConfigError(f"--engine vllm: vLLM is not installed ({e}); {INSTALL}") from None
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        heads = getattr(config, "num_attention_heads", None) or config.n_head
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, _, head_dim = attention_shape(config)
         device = next(base.parameters()).device
         if device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
             raise ConfigError(f"--engine vllm: the policy's attention heads are {head_dim} wide; vLLM's CPU "
