@@ -105,8 +105,8 @@ def test_problems_are_well_formed_deterministic_and_distinct():
     for p in a:
         x, y = p["prompt"][:3], p["prompt"][4:7]
         assert len(p["prompt"]) == 8 and p["prompt"][3] == "+" and p["prompt"][7] == "="
-        assert p["answer"] == str(int(x) + int(y))[::-1]  # the sum, units digit first
-        assert p["answer"][-1] != "0" or p["answer"] == "0"  # no leading zeros (they would come last)
+        assert p["answer"] == f"{int(x) + int(y):04d}"[::-1]  # the sum, units digit first, 4 digits
+        assert int(p["answer"][::-1]) == int(x) + int(y) and len(p["answer"]) == 4
     assert make_problems(5, seed=1, exclude={p["prompt"] for p in make_problems(5, seed=1)}) != make_problems(5, 1)
 
 
@@ -115,7 +115,8 @@ def test_two_digit_variant_can_use_the_whole_space():
     prompts = {p["prompt"] for p in train} | {p["prompt"] for p in held}
     assert len(prompts) == 10_000  # every 2-digit problem, each exactly once
     assert all(len(p) == 6 for p in prompts)
-    assert all(p["answer"] == str(int(p["prompt"][:2]) + int(p["prompt"][3:5]))[::-1] for p in held)
+    assert all(p["answer"] == f"{int(p['prompt'][:2]) + int(p['prompt'][3:5]):03d}"[::-1] for p in held)
+    assert {len(p["answer"]) for p in train} == {3}  # one width: 5 + 5 = 10 is "010", 99 + 99 = 198 is "891"
     with pytest.raises(ValueError):
         make_problems(9501, seed=0, exclude={p["prompt"] for p in held}, digits=2)
 
@@ -131,16 +132,16 @@ def test_split_is_disjoint_and_held_out_does_not_depend_on_n_train():
 
 def test_gold_reward_hand_written_cases():
     prompts = ["123+045="] * 8 + ["000+000=", "999+999="]
-    # 123 + 45 = 168, written units first: "861"; the usual order "168" is wrong
-    responses = ["861", "168", "861 ", " 861", "8610", "0861", "", "-861", "0", "8991"]
+    # 123 + 45 = 168, written units first and padded to 4 digits: "8610"; unpadded, or the usual order, is wrong
+    responses = ["8610", "861", "8610 ", " 8610", "0168", "0861", "", "-8610", "0000", "8991"]
     assert gold_reward(prompts, responses) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     # the prompt row's answer column is used when given (a rule sees extra columns as keyword lists)
     assert gold_reward(["123+045="], ["168"], answer=["999"], other=["x"]) == [0.0]
     assert gold_reward(["123+045="], ["168"], answer=[168]) == [1.0]  # a number read from JSON
-    assert solve("999+001=") == "0001" and solve("500+500=") == "0001" and solve("010+000=") == "01"
+    assert solve("999+001=") == "0001" and solve("500+500=") == "0001" and solve("010+000=") == "0100"
     with pytest.raises(ValueError):
         gold_reward(["123+045="], ["168", "168"])
-    assert solve("07+05=") == "21"  # the 2-digit variant
+    assert solve("07+05=") == "210" and solve("00+00=") == "000"  # the 2-digit variant: 3 digits
     for bad in ["12+345=", "123-045=", "123+045", "+=", "12a+045="]:
         with pytest.raises(ValueError):
             solve(bad)

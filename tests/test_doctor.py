@@ -204,6 +204,18 @@ def test_reward_hacking_gold_metric_falls_while_reward_rises():
     assert "eval/accuracy" in format_diagnosis(d)
 
 
+def test_a_gold_fall_at_the_final_evaluation_is_named_only_when_the_run_has_ended():
+    rows = healthy_rows()  # evaluations every 5 steps up to step 60, gold near 0.6 at the end, n = 200
+    best = max(r["eval/accuracy"] for r in rows if "eval/accuracy" in r)
+    rows[-1]["eval/accuracy"] = best - 0.2  # the last evaluation only; the reward keeps rising
+    a, b = (best * 200 + 1) / 202, ((best - 0.2) * 200 + 1) / 202
+    assert (a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / 202) > 3  # an alarm-sized drop, by hand
+    assert diagnose(rows).healthy  # without the run's config the doctor cannot know the run has ended
+    assert diagnose(rows, run_config={"steps": 100}).healthy  # still running (or killed): one evaluation only
+    d = diagnose(rows, run_config={"steps": N})
+    assert (d.failure_mode, d.cause_metric, d.alarm_step) == ("reward hacking", "eval/accuracy", N)
+
+
 def test_gold_fall_with_rising_reward_is_the_verdict_even_after_a_kl_alarm():
     # β = 0: the tether is off, the KL runs away first, then the gold metric falls as the reward rises.
     rows = healthy_rows()

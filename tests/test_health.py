@@ -174,6 +174,27 @@ def test_gold_drop_is_judged_by_its_significance_not_its_size(n, alarmed):
     assert [a.band.name for a in got] == (["gold_drop"] if alarmed else [])
 
 
+def test_gold_drop_at_the_final_evaluation_alarms_without_waiting_for_a_second():
+    # demo seed 4, beta = 0 (n = 250): gold 43.6 -> 40.8 -> 41.6 -> 32.8 -> 29.2% while the reward rose
+    evals = [(0.436, -0.036), (0.408, 0.135), (0.416, 0.18), (0.328, 0.213), (0.292, 0.205)]
+    assert 2 < _z(0.436, 250, 0.328, 250) < 3 < _z(0.436, 250, 0.292, 250)  # warn at 30, alarm at 40
+
+    def run(final_step):
+        m = HealthMonitor()
+        return {10 * s: a for s, (acc, rew) in enumerate(evals)
+                for a in m.update(10 * s, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 250},
+                                  final=10 * s == final_step)}
+
+    assert run(final_step=None) == {}  # one evaluation in alarm: not confirmed while the run goes on
+    (step, a), = run(final_step=40).items()  # the run's last evaluation: nothing comes after to confirm it
+    assert (step, a.band.name, a.alarm_step, a.onset_step) == (40, "gold_drop", 40, 30)
+    assert a.measure == pytest.approx(_z(0.436, 250, 0.292, 250))
+    # bands without final_confirms keep their persistence at the final step: a last-step KL spike is no alarm
+    m = HealthMonitor()
+    for step in range(1, 10):
+        assert m.update(step, {"objective/kl": 0.05 if step < 9 else 5.0}, final=step == 9) == []
+
+
 def test_gold_drop_needs_the_evaluation_size():
     m = HealthMonitor()
     for s, acc in enumerate([0.9, 0.1, 0.1, 0.1], 1):

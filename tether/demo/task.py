@@ -2,10 +2,11 @@
 
 Task. A prompt is two zero-padded operands and an equals sign, ``"123+045="`` (always
 ``prompt_width()`` = 8 characters, so a batch of prompts needs no padding and every answer starts at the
-same position); the answer is the sum written **units digit first**, without padding: 123 + 45 = 168 is
-answered ``"861"`` (1–4 digits, 0..1998 reversed; 999 + 1 = 1000 is ``"0001"``). The policy learns to
-write the answer and then ``[EOS]``. There are 1000 × 1000 = 10⁶ distinct problems; ``digits=2`` gives
-the 10⁴-problem variant ``"12+34="`` → ``"64"``.
+same position); the answer is the sum written **units digit first**, zero-padded to one digit more than
+the operands, as the operands are padded: 123 + 45 = 168 is answered ``"8610"`` (always 4 digits, 0..1998
+reversed; 999 + 1 = 1000 is ``"0001"``). The policy learns to write the answer and then ``[EOS]``. There
+are 1000 × 1000 = 10⁶ distinct problems; ``digits=2`` gives the 10⁴-problem variant ``"12+34="`` →
+``"640"`` and ``"12+59="`` → ``"170"``.
 
 Why units first. Written the usual way, the first digit of a sum depends on every carry below it: a small
 model must finish the whole addition before it writes anything, and a reward model that reads the answer
@@ -17,9 +18,17 @@ needed up to 2,000 SFT steps to reach a useful start and gave a reward model tha
 only; units first, SFT got there in 400 steps, but the reward model still reached only 72% on held-out
 pairs. The demo therefore uses ``digits=2``: SFT in 200–300 steps, a reward model at 80–94%.
 
+Why a fixed width. Written without padding, answers of 2 and 3 digits put the reward model's score
+(read at the ``[EOS]`` after the reply) at two different positions, and the 3-layer reward model learned a
+separate check for each digit of each length, only some of them within the demo's budget: measured on
+±1 corruptions of held-out answers, every seed's reward model was at chance on some (position, length)
+pairs — e.g. the tens digit of every answer for seed 2 — and PPO could then fix only the digits its reward
+model checked (issue #18, ``docs/demo.md``). With every answer ``digits + 1`` characters long, one check
+per digit serves every problem.
+
 Gold rule. A response — the text the policy generated, decoded *without* special tokens — is correct
-iff it equals the answer exactly: no surrounding spaces, no zeros after the sum's highest digit (its
-leading zeros, written units first), no extra text
+iff it equals the answer exactly: all ``digits + 1`` digits (the padding zeros included), no surrounding
+spaces, no extra text
 (``gold_reward``). The rule sees text only. The SFT/evaluation helpers in ``tether.demo.sft`` and
 ``tether.demo.pairs`` (``gold_accuracy``, ``make_preference_pairs``) additionally require the response
 to have ended with ``[EOS]``: a response cut off by ``max_new_tokens`` is wrong even if its text
@@ -52,16 +61,18 @@ def prompt_width(digits: int = DIGITS) -> int:
     return 2 * digits + 2
 
 
-def answer_text(total: int) -> str:
-    """How the task writes a sum: its decimal digits, units first (``168`` → ``"861"``, ``1000`` → ``"0001"``)."""
-    return str(total)[::-1]
+def answer_text(total: int, width: int = 0) -> str:
+    """A sum's decimal digits, zero-padded to ``width``, units first (``168`` → ``"861"``; width 4: ``"8610"``;
+    ``1000`` → ``"0001"``)."""
+    return str(total).zfill(width)[::-1]
 
 
 def problem(a: int, b: int, digits: int = DIGITS) -> dict[str, str]:
-    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": answer_text(a + b)}`` (operands zero-padded)."""
+    """The problem ``a + b`` as ``{"prompt": "aaa+bbb=", "answer": answer_text(a + b, digits + 1)}`` (operands
+    zero-padded to ``digits``, the answer to ``digits + 1``)."""
     if digits < 1 or not (0 <= a < 10**digits and 0 <= b < 10**digits):
         raise ValueError(f"operands must be in 0..{10**digits - 1}, got {a} and {b}")
-    return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": answer_text(a + b)}
+    return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": answer_text(a + b, digits + 1)}
 
 
 def solve(prompt: str) -> str:
@@ -71,7 +82,7 @@ def solve(prompt: str) -> str:
     well_formed = plus and right.endswith("=") and len(a) == len(b) > 0
     if not (well_formed and a.isascii() and b.isascii() and a.isdigit() and b.isdigit()):
         raise ValueError(f"not a demo prompt (expected 'aaa+bbb='): {prompt!r}")
-    return answer_text(int(a) + int(b))
+    return answer_text(int(a) + int(b), len(a) + 1)
 
 
 def make_problems(
@@ -117,8 +128,8 @@ def gold_reward(
 
     ``answer`` (a column of the prompt rows, one per prompt) is used when given; otherwise each answer
     is solved from its prompt. Other columns in ``fields`` are ignored. Exact match on the text only:
-    ``"861"`` is right for ``"123+045="``; ``"168"`` (the usual order), ``" 861"``, ``"8610"``, ``"861 "``
-    and ``""`` are wrong. EOS is not visible here (see the module docstring).
+    ``"8610"`` is right for ``"123+045="``; ``"861"`` (unpadded), ``"0168"`` (the usual order), ``" 8610"``,
+    ``"8610 "`` and ``""`` are wrong. EOS is not visible here (see the module docstring).
     """
     if len(prompts) != len(responses):
         raise ValueError(f"gold_reward: {len(prompts)} prompts but {len(responses)} responses")

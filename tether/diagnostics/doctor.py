@@ -259,8 +259,10 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     current values.
     """
     monitor = HealthMonitor(config)
-    for row in rows:
-        monitor.update(int(row["step"]), row)
+    planned = (run_config or {}).get("steps")  # the last row is the run's final step only if it reached it
+    finished = bool(rows) and isinstance(planned, int) and int(rows[-1]["step"]) >= planned
+    for i, row in enumerate(rows):
+        monitor.update(int(row["step"]), row, final=finished and i == len(rows) - 1)
     present = {k for row in rows for k in row}
     unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs]
     alerts = monitor.alerts()

@@ -58,6 +58,9 @@ class Band:
     only_if: tuple[str, float | None, float | None] | None = None
     reported_by_some_runs: bool = False  # absent by design elsewhere: doctor does not list it as "not checked"
     persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
+    # An alarm at the run's final step counts at once: nothing comes after to confirm it, and that value
+    # judges the policy the run hands over (the gold band, whose z already allows for noise).
+    final_confirms: bool = False
     needs: tuple[str, ...] = ()  # other keys the measure reads (a band without them is not checked)
 
     def state(self, m: float) -> str:
@@ -143,7 +146,7 @@ BANDS: tuple[Band, ...] = (
     Band("gold_drop", "eval/accuracy", "gold", (None, 2.0), None, 3.0, REWARD_HACKING,
          "held-out gold metric significantly below its best evaluation while the reward kept at least half its "
          "gain (Goodhart)",
-         needs=("eval/n",)),
+         needs=("eval/n",), final_confirms=True),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
          "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
          "it barely moves (LR too low? no advantage signal?)",
@@ -302,7 +305,7 @@ class _Tracker:
         floor = best_reward - max(0.0, best_reward - self.first_reward) / 2
         return drop_z(best, best_n, value, n) if reward > floor else 0.0
 
-    def update(self, step: int, row: dict) -> Alert | None:
+    def update(self, step: int, row: dict, final: bool = False) -> Alert | None:
         value = _number(row.get(self.band.key))
         if value is None:
             return None
@@ -327,6 +330,8 @@ class _Tracker:
         if self.alarm_start is None:
             self.alarm_start = step
         self.alarm_len += 1
+        if final and self.band.final_confirms:
+            self.alarm_len = max(self.alarm_len, self.need)
         if self.alarm_len < self.need or self.alerted:
             return None
         self.alerted = True
@@ -376,9 +381,10 @@ class HealthMonitor:
         self.trackers = {b.name: _Tracker(b, self.config) for b in self.bands}
         self.last_step: int | None = None
 
-    def update(self, step: int, metrics: dict) -> list[Alert]:
+    def update(self, step: int, metrics: dict, final: bool = False) -> list[Alert]:
+        """``final``: this is the run's last step (bands with ``final_confirms`` alarm without persistence)."""
         self.last_step = step
-        return [a for t in self.trackers.values() if (a := t.update(step, metrics)) is not None]
+        return [a for t in self.trackers.values() if (a := t.update(step, metrics, final)) is not None]
 
     @property
     def healthy(self) -> bool:

@@ -277,7 +277,7 @@ def train(cfg, resume: bool = False) -> Path:
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
             metrics.update(evaluate_and_log(run, cfg, log, step))
         row = {"step": step, **metrics}
-        alerts = monitor.update(step, row)
+        alerts = monitor.update(step, row, final=step == cfg.steps)
         log.metrics(row)
         for alert in alerts:
             log.alert(step, alert)
