@@ -72,13 +72,11 @@ def run(args) -> int:
         from tether.errors import ConfigError
 
         raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
-    # Same machine, same seed, same --threads: the same results.json numbers (docs/demo.md). The
-    # thread count fixes how CPU kernels split their reductions; deterministic algorithms refuse any op
-    # whose result could depend on scheduling (none of the demo's CPU ops do today; this keeps it so).
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
     from transformers.utils import logging as hf_logging
 
+    from tether.demo.side_by_side import fix_kernels
+
+    fix_kernels(args.threads)  # same machine, seed and --threads: the same results.json numbers (docs/demo.md)
     hf_logging.disable_progress_bar()  # the demo prints its own stages
     run_demo(Path(args.output_dir), quick=args.quick, seed=args.seed, concurrent=not args.sequential)
     return 0

@@ -3,7 +3,7 @@
 The demo's two PPO runs (β > 0 and β = 0) share nothing but their inputs, and each seeds every generator
 from the run's seed (``tether.ppo.setup.seed_everything``). A process of its own, with the parent's torch
 thread count and deterministic algorithms, runs the same kernels on the same data as the parent would, so
-its numbers are the same bit for bit (checked: ``tests/test_demo.py``); only the wall time changes. On a
+its numbers are the same bit for bit (checked: ``tests/test_demo_side_by_side.py``); only the wall time changes. On a
 2-core machine the two 1-thread PPO runs then take the time of one.
 """
 
@@ -20,6 +20,14 @@ from typing import Callable, Sequence
 import torch
 
 from tether.errors import TetherError
+
+
+def fix_kernels(threads: int) -> None:
+    """The demo's repeatability settings, in its main process and in each side-by-side one: the thread count
+    fixes how CPU kernels split their reductions; deterministic algorithms refuse any op whose result could
+    depend on scheduling (none of the demo's CPU ops do today; this keeps it so)."""
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
 
 
 def usable_cores() -> int:
@@ -89,12 +97,8 @@ def _advance(bars, jobs) -> None:
 
 
 def _child(fn: Callable[..., Path], job: tuple, threads: int) -> None:
-    """In the new process: the parent's thread count and determinism, output to the run's log."""
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    """In the new process: the parent's kernel settings, output to the run's log."""
+    fix_kernels(threads)
     with open(log_path(job[0]), "w", encoding="utf-8") as log:
         os.dup2(log.fileno(), 1)  # the file descriptors, so that C-level output lands there too
         os.dup2(log.fileno(), 2)
