@@ -57,6 +57,7 @@ def worker(a) -> None:
               ", ".join(f"{k[5:]} {v:.3f}" for k, v in mean.items()))
         print(f"{a.variant}: peak allocated per GPU (GB): {[round(p / 1e9, 3) for p in peaks]}; "
               f"plan (--zero 3 --gpus {gpus}, critic head): {planned / 1e9:.3f}")
+    run.processes.close()  # every process waits for the others, then leaves the process group
 
 
 def main() -> int:
@@ -79,8 +80,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         (Path(root) / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in PROMPTS * 8))
         for variant in ("lora", "full"):
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", str(n), __file__,
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",  # port 0: a free one
+                   str(REPO / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", str(n),
+                   "--main_process_port", "0", __file__,
                    "--worker", "--variant", variant, "--root", root, "--steps", str(a.steps),
                    "--batch-size", str(a.batch_size)]
             if subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "4"}).returncode:

@@ -31,7 +31,8 @@ from ppo_step import SIZES, WORDS, build_models  # noqa: E402
 
 
 def policy_and_prompts(root: Path, a):
-    from tether.ppo.models import load_causal_lm, load_tokenizer
+    from tether.hf import load_tokenizer
+    from tether.ppo.models import load_causal_lm
     from tether.ppo.rollout import encode_prompts
     from tether.presets import resolve_model_path
 

@@ -45,8 +45,6 @@ def held_bytes(run) -> dict:
 
 
 def worker(args) -> None:
-    import torch
-
     from tether.ppo.config import RunConfig
     from tether.ppo.setup import setup
     from tether.ppo.step import ppo_step
@@ -68,7 +66,7 @@ def worker(args) -> None:
         med = {k: statistics.median(r[k] for r in rows[1:]) for k in PHASES}
         print("RESULT " + json.dumps({"label": args.label, "median": med, "held_bytes": held,
                                       "device": str(run.processes.device)}))
-    torch.distributed.barrier() if run.processes.world_size > 1 else None
+    run.processes.close()  # every process waits for the others, then leaves the process group
 
 
 def main() -> int:
@@ -94,14 +92,16 @@ def main() -> int:
         (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         for label in ("ddp", "fsdp2"):
+            # --main_process_port 0: a free port (accelerate binds port 0), not the 29500 every launch shares
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "examples" / "accelerate" / f"{label}.yaml"), "--num_processes", "2", __file__,
+                   str(REPO / "examples" / "accelerate" / f"{label}.yaml"), "--num_processes", "2",
+                   "--main_process_port", "0", __file__,
                    "--worker", "--root", str(root), "--label", label, "--steps", str(a.steps),
                    "--batch-size", str(a.batch_size)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not lines:
-                print(proc.stderr[-3000:], file=sys.stderr)
+                print(proc.stderr, file=sys.stderr)  # whole: each process's own lines, not a tail
                 return 1
             result = json.loads(lines[0][len("RESULT "):])
             print(f"{label}: {a.size} GPT-2, 2 processes on {result['device']}, batch {a.batch_size}/process x 32 "

@@ -78,3 +78,16 @@ def test_controller_state_roundtrip():
     d = AdaptiveKLController(0.1, 0.01)
     d.load_state_dict(c.state_dict())
     assert d.value == c.value == pytest.approx(0.2)
+
+
+def test_controllers_at_zero_kl_by_hand():
+    # KL = 0 (a rollout of the reference itself) is what the step keeps from the controllers (B11): were it given,
+    # the adaptive rule would halve β and the proportional one take its lower clip, e = −0.2.
+    adaptive, proportional = AdaptiveKLController(0.05, target=0.01), ProportionalKLController(0.05, 0.01, 10000)
+    adaptive.update(0.0, 8)
+    proportional.update(0.0, 8)
+    assert adaptive.value == 0.025
+    assert proportional.value == pytest.approx(0.05 * (1 - 0.2 * 8 / 10000))
+    boundary = AdaptiveKLController(0.05, target=0.015)
+    boundary.update(0.01, 1)  # exactly target/1.5 is not below it: unchanged
+    assert boundary.value == 0.05

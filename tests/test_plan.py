@@ -269,21 +269,16 @@ def test_fsdp2_two_processes_allocate_the_planned_bytes_per_process(tmp_path):
     (fp32 masters) and a separate LoRA critic (bf16 base, fp32 adapters and MLP head) after one PPO update
     (tests/fsdp_memory_worker.py). The tiny GPT-2's vocabulary of 43 rows and the head's Linear(d, 1) do not
     split evenly: FSDP2 pads each tensor to ceil(d0 / 2) rows, which the plan counts."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from launcher import accelerate_launch
     from tiny import make_policy_dir, make_prompts_file
 
     repo = Path(__file__).resolve().parents[1]
     policy, prompts, out = make_policy_dir(tmp_path), make_prompts_file(tmp_path), tmp_path / "bytes.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(repo / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2",
-           str(repo / "tests" / "fsdp_memory_worker.py"), str(policy), str(prompts), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # tests/launcher.py: a free port; a failure raises with each process's own stderr
+    accelerate_launch([str(repo / "tests" / "fsdp_memory_worker.py"), str(policy), str(prompts), str(out)],
+                      config="fsdp2.yaml")
     ranks = json.loads(out.read_text())
     shape = config_shape(policy)
     cfg = PlanConfig(model=str(policy), dtype="bf16", zero=3, gpus=2, critic="separate", critic_lora_r=4,

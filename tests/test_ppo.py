@@ -15,6 +15,7 @@ import torch
 from tiny import make_policy_dir, make_prompts_file, tiny_config
 
 import tether.ppo.step as ppo_module
+from tether.ppo.config import PPOConfig
 from tether.ppo.rollout import forward_response, response_mask_after_eos
 from tether.ppo.setup import setup
 from tether.ppo.step import ppo_step
@@ -39,14 +40,16 @@ def test_first_minibatch_ratio_is_exactly_one(files, tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, *files, ppo__mini_batches=4)
     c = setup(cfg)
     seen = []
-    original = ppo_module.ppo_policy_loss
+    import tether.ppo.update as update_module
+
+    original = update_module.ppo_policy_loss
 
     def spy(logprobs, logprobs_old, advantages, mask, clip_range):
         loss, stats = original(logprobs, logprobs_old, advantages, mask, clip_range)
         seen.append(stats)
         return loss, stats
 
-    monkeypatch.setattr(ppo_module, "ppo_policy_loss", spy)
+    monkeypatch.setattr(update_module, "ppo_policy_loss", spy)
     ppo_step(c, cfg, 1)
     assert seen[0]["ratio_mean"].item() == 1.0
     assert seen[0]["ratio_max"].item() == 1.0
@@ -164,13 +167,50 @@ def test_critic_warmup_updates_only_the_critic(files, tmp_path):
     assert "policy/loss" not in metrics and "value/loss" in metrics
 
 
-def test_kl_early_stop_fires_with_a_tiny_target(files, tmp_path):
-    cfg = tiny_config(tmp_path, *files, kl__target=1e-12, ppo__epochs=4)
-    c = setup(cfg)
-    metrics = ppo_step(c, cfg, 1)
+def test_kl_early_stop_fires_where_approx_kl_crosses_factor_times_ppo_target_kl(files, tmp_path, monkeypatch):
+    """B10: the epoch loop stops after the first epoch whose mean approx KL to π_old (as measured: the mean of its
+    minibatches' k3 estimates) exceeds ppo.early_stop_factor × ppo.target_kl; kl.target (the controller's KL to
+    the reference) plays no part."""
+    import tether.ppo.update as update_module
+
+    measured = []
+    original = update_module.ppo_policy_loss
+
+    def spy(*args):
+        loss, stats = original(*args)
+        measured.append(stats["approx_kl"].item())  # one call per minibatch (no gradient accumulation)
+        return loss, stats
+
+    monkeypatch.setattr(update_module, "ppo_policy_loss", spy)
+
+    def step_1(**overrides):
+        measured.clear()
+        cfg = tiny_config(tmp_path, *files, ppo__epochs=4, **overrides)
+        metrics, per = ppo_step(setup(cfg), cfg, 1), cfg.ppo.mini_batches
+        return metrics, [sum(measured[i:i + per]) / per for i in range(0, len(measured), per)]
+
+    metrics, _ = step_1(ppo__target_kl=1e-12)
     assert metrics["ppo/epochs_run"] == 1 and metrics["ppo/early_stopped"] == 1.0
-    cfg2 = tiny_config(tmp_path, *files, kl__target=1e-12, ppo__epochs=4, ppo__early_stop=False)
-    assert ppo_step(setup(cfg2), cfg2, 1)["ppo/epochs_run"] == 4
+    assert step_1(ppo__target_kl=1e-12, ppo__early_stop=False)[0]["ppo/epochs_run"] == 4
+    metrics, kls = step_1(kl__target=1e-12, ppo__target_kl=1e3)  # a tiny kl.target alone stops nothing
+    assert metrics["ppo/epochs_run"] == 4 and metrics["ppo/early_stopped"] == 0.0
+    assert len(kls) == 4 and kls[0] < kls[1] * 0.999 and kls[2] > kls[1] * 1.001, kls  # π leaves π_old epoch by epoch
+    factor = PPOConfig().early_stop_factor
+    for target, epochs in ((kls[1] / factor * (1 - 1e-4), 2), (kls[1] / factor * (1 + 1e-4), 3)):
+        metrics, kls_seen = step_1(ppo__target_kl=target)  # epoch 2's KL just above / just below the threshold
+        assert metrics["ppo/epochs_run"] == epochs and kls_seen == kls[:epochs], (target, kls_seen, kls)
+
+
+def test_adaptive_beta_waits_for_a_rollout_of_the_updated_policy(files, tmp_path):
+    """B11 with critic warm-up: steps 1-2 leave the policy frozen and step 3 still samples from it (its first update
+    comes after the rollout): their KL to the reference is exactly 0 and says nothing about β, which stays. Step 4
+    samples from the updated policy, its KL exceeds the tiny target: β doubles for step 5."""
+    cfg = tiny_config(tmp_path, *files, kl__controller="adaptive", kl__target=1e-9, kl__estimator="k3",
+                      critic__warmup_steps=2, steps=5, optim__lr=1e-2)
+    rows = _rows(train(cfg))
+    betas, kls = [r["objective/kl_coef"] for r in rows], [r["objective/kl"] for r in rows]
+    assert kls[:3] == [0.0, 0.0, 0.0] and kls[3] > 1.5 * cfg.kl.target, kls
+    assert betas == [cfg.kl.coef] * 4 + [2 * cfg.kl.coef], betas
 
 
 def test_adaptive_controller_raises_beta_when_kl_exceeds_target(files, tmp_path):
@@ -181,8 +221,10 @@ def test_adaptive_controller_raises_beta_when_kl_exceeds_target(files, tmp_path)
     betas = [r["objective/kl_coef"] for r in rows]
     kls = [r["objective/kl"] for r in rows]
     assert betas[0] == cfg.kl.coef
-    # Step 1 samples from π = π_ref (KL 0, β halves); afterwards the KL exceeds the tiny target.
-    for i in range(len(rows) - 1):
+    # Step 1 samples from π = π_ref: its KL is exactly 0 and says nothing about β, which stays; afterwards the
+    # KL exceeds the tiny target and β doubles at every step.
+    assert kls[0] == 0.0 and betas[1] == cfg.kl.coef
+    for i in range(1, len(rows) - 1):
         if kls[i] > 1.5 * cfg.kl.target:
             assert betas[i + 1] == pytest.approx(2 * betas[i])
         elif kls[i] < cfg.kl.target / 1.5:
@@ -286,7 +328,7 @@ def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
     token exactly as the sampler's own logits did, for left-padded prompts of different lengths."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from tether.ppo.models import load_tokenizer
+    from tether.hf import load_tokenizer
     from tether.ppo.records import Rollout
     from tether.ppo.rollout import encode_prompts, response_mask_after_eos
 
@@ -316,15 +358,15 @@ WORKER = Path(__file__).resolve().parent / "ppo_invariance_worker.py"
 
 def _worker_grads(files, out: Path, accumulation: int, processes: int = 1, config: str = "",
                   trim: bool = True) -> dict:
+    worker = [str(WORKER), str(files[0]), str(files[1]), str(out), str(accumulation), str(trim).lower()]
+    if processes > 1:  # tests/launcher.py: a free port; a failure raises with each process's own stderr
+        from launcher import accelerate_launch
+
+        accelerate_launch(worker, config=config or None, processes=processes)
+        return torch.load(out, weights_only=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    kind = ["--config_file", str(WORKER.parent.parent / "examples" / "accelerate" / config)] if config \
-        else ["--multi_gpu"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *kind, "--num_processes", str(processes),
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] if processes > 1 \
-        else [sys.executable]
-    proc = subprocess.run([*launch, str(WORKER), str(files[0]), str(files[1]), str(out), str(accumulation),
-                           str(trim).lower()],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=WORKER.parent.parent)
+    proc = subprocess.run([sys.executable, *worker], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=WORKER.parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
 

@@ -4,17 +4,12 @@
 The gradient-level invariance (2 FSDP2 processes × 4 rows = 1 process × 8) is in tests/test_ppo.py."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launcher import accelerate_launch
 from tiny import make_policy_dir, make_prompts_file
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "examples" / "accelerate"
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +27,8 @@ def args(files, out, steps, *extra):
 
 
 def launch(config: str, cli_args: list[str], timeout: int = 600):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--num_processes", "2", "-m", "tether", *cli_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """tests/launcher.py: a free port; a failure raises with each process's own stderr."""
+    accelerate_launch(["-m", "tether", *cli_args], config=config, timeout=timeout)
 
 
 def metrics(run: Path) -> list[dict]:

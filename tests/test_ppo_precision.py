@@ -22,15 +22,19 @@ def files(tmp_path_factory):
 
 
 def spy(monkeypatch, name: str, seen: list):
-    """Record the arguments and result of ``tether.ppo.step.<name>`` on every call."""
-    original = getattr(ppo_module, name)
+    """Record the arguments and result of ``tether.ppo.step.<name>`` (or ``tether.ppo.update.<name>``, the epoch
+    loop's) on every call."""
+    import tether.ppo.update as update_module
+
+    module = ppo_module if hasattr(ppo_module, name) else update_module
+    original = getattr(module, name)
 
     def wrapper(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append((args, out))
         return out
 
-    monkeypatch.setattr(ppo_module, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -155,7 +159,8 @@ def test_frozen_twin_computes_exactly_as_fp32_masters_under_autocast_on_a_tied_l
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tether.core.stats import logprobs_from_logits
-    from tether.ppo.models import frozen_twin, upcast_trainable
+    from tether.hf import upcast_trainable
+    from tether.ppo.models import frozen_twin
 
     config = LlamaConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
                          intermediate_size=80, vocab_size=101, tie_word_embeddings=True)
@@ -179,3 +184,54 @@ def test_frozen_twin_computes_exactly_as_fp32_masters_under_autocast_on_a_tied_l
 
     assert torch.equal(logprobs(twin), logprobs(masters))
     assert not torch.equal(logprobs(everywhere_bf16), logprobs(masters))
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate's process state is a singleton that reads ACCELERATE_MIXED_PRECISION once, when the first
+    Accelerator of the process is made: start from none (as a fresh `tether ppo` process does) and leave none."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_accelerate_mixed_precision_setting_is_ignored_with_one_line(files, tmp_path, monkeypatch, capsys,
+                                                                     fresh_accelerate_state):
+    """ACCELERATE_MIXED_PRECISION=bf16 (what `accelerate launch` exports from a default `accelerate config`)
+    would have accelerate autocast the prepared policy and critic but not the frozen reference, so an fp32 run's
+    step-1 KL was -7e-5 (max 6e-4) here instead of 0; with fp16 its GradScaler would scale the gradients tether
+    clips. tether owns precision (--model-dtype): the Accelerator is made with mixed_precision "no", no forward
+    of the policy runs under autocast, the KL is exactly 0, and one line on stderr says the setting is ignored."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    cfg = tiny_config(tmp_path, *files, ppo__mini_batches=2)
+    run = setup(cfg)
+    accelerator = run.processes.accelerator
+    assert accelerator.mixed_precision == "no" and not accelerator.native_amp and accelerator.scaler is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ACCELERATE_MIXED_PRECISION=bf16" in err[0] and "--model-dtype bf16" in err[0]
+
+    autocast_seen = []  # inside the policy: whether its blocks computed under autocast (score and update forwards)
+    block = run.models.unwrapped_policy.transformer.h[0]
+    block.register_forward_pre_hook(lambda mod, args: autocast_seen.append(torch.is_autocast_enabled("cpu")))
+    metrics = ppo_step(run, cfg, 1)
+    assert autocast_seen and not any(autocast_seen)
+    assert metrics["objective/kl"] == 0.0 and metrics["objective/kl_max"] == 0.0
+    assert metrics["ppo/updates"] > 0
+
+
+@pytest.mark.parametrize("setting, dtype, says", [("fp16", "fp32", True), ("bf16", "bf16", False),
+                                                  ("no", "fp32", False)])
+def test_accelerate_mixed_precision_note_only_when_it_differs(files, tmp_path, monkeypatch, capsys,
+                                                             fresh_accelerate_state, setting, dtype, says):
+    """fp16 from accelerate is ignored too (its GradScaler never wraps tether's backward); a setting that agrees
+    with --model-dtype, or "no", says nothing."""
+    from tether.ppo.setup import make_processes
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", setting)
+    cfg = tiny_config(tmp_path, *files, model__dtype=dtype)
+    accelerator = make_processes(cfg).accelerator
+    assert accelerator.mixed_precision == "no" and accelerator.scaler is None
+    err = capsys.readouterr().err
+    assert ("ignored" in err) == says and err.count("\n") == int(says)

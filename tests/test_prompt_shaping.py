@@ -79,7 +79,7 @@ def test_prompt_options_are_checked(tmp_path):
 @pytest.mark.slow
 def test_smollm2_sees_an_hh_transcript_as_its_own_chat_turns():
     _need_real_models("smollm2-135m-instruct")
-    from tether.ppo.models import load_tokenizer
+    from tether.hf import load_tokenizer
     from tether.presets import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))

@@ -71,7 +71,7 @@ def test_recipe_configs_agree_with_each_other():
 
 # ------------------------------------------------------------------------------------------ the levers
 def test_mean_pooling_is_the_head_on_the_masked_mean_under_any_padding(tmp_path):
-    from tether.rm.model import pad_batch, pooled_scores
+    from tether.rm.backbone import pad_batch, pooled_scores
 
     rm = load_rm(save_tiny_bert(tmp_path / "bert"))
     texts = [rm.text_format.encode(rm.tokenizer, "what is 7 times 6? ", r).ids for r in ("42", "forty two!")]
@@ -91,7 +91,7 @@ def test_mean_pooling_is_the_head_on_the_masked_mean_under_any_padding(tmp_path)
 
 
 def test_pooling_choice_is_checked_against_the_head(tmp_path):
-    from tether.rm.model import check_pooling, load_sequence_classifier
+    from tether.rm.backbone import check_pooling, load_sequence_classifier
 
     bert, _ = load_sequence_classifier(save_tiny_bert(tmp_path / "bert"))
     gpt2, _ = load_sequence_classifier(save_tiny_gpt2(tmp_path / "gpt2"), new_head=True)

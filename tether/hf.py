@@ -89,3 +89,70 @@ def load_failed(path, what: str, error: Exception):
 
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return TetherError(f"{path}: cannot load the {what} ({type(error).__name__}: {first[:200]})")
+
+
+def load_tokenizer(path, trust_remote_code: bool = False, *, need_pad: bool = True, need_fast: bool = False):
+    """The tokenizer saved in ``path`` (quietly; a one-line TetherError naming ``path`` when it does not load).
+
+    ``need_pad`` (PPO's policy and critic): a tokenizer with no pad token gets EOS as its pad (safe: every
+    mask is built from attention masks and the first EOS, never by searching for the pad id), an error when
+    it has no EOS either; reward models pass False (training picks a pad itself, ``ensure_pad_token``).
+    ``need_fast``: refuse a slow tokenizer (reward models locate the reply in the text by the fast
+    tokenizer's character offsets). Transformers' one-time "sequence length is longer than the maximum"
+    warning is muted: tether truncates after tokenising, where it must."""
+    from transformers import AutoTokenizer
+
+    from tether.errors import TetherError
+
+    check_tokenizer_files(path)
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except load_errors() as e:
+        raise load_failed(path, "tokenizer", e) from None
+    if need_fast and not getattr(tokenizer, "is_fast", False):
+        raise TetherError(f"{path}: tether needs a fast tokenizer (tokenizer.json) to locate the reply in the text")
+    if need_pad and tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise TetherError(f"{path}: the tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
+
+
+def upcast_trainable(model: nn.Module) -> nn.Module:
+    """Every trainable parameter to fp32, in place: the fp32 masters (exact, a bf16/fp16 value is an fp32
+    value). Buffers keep their dtype."""
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point():
+            p.data = p.data.float()
+    return model
+
+
+def apply_lora(model, r: int, alpha: float, dropout: float, target_modules: str = "",
+               task_type: str | None = "CAUSAL_LM", modules_to_save: list[str] | None = None,
+               key: str = "lora.target_modules"):
+    """``model`` wrapped in a peft LoRA adapter, every trainable weight in fp32 (A6, C5). ``target_modules``:
+    ``"all-linear"``, a comma list of module names, or ``""`` for peft's default for the architecture;
+    ``task_type`` ``"CAUSAL_LM"`` (a policy), ``"SEQ_CLS"`` (a reward model) or None (a bare backbone, a
+    critic's ``AutoModel``); ``modules_to_save``: modules trained in full beside the adapter (a reward model's
+    head). A target peft cannot find is a one-line error naming the config ``key``."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from tether.errors import TetherError
+
+    targets = None if not target_modules else (
+        "all-linear" if target_modules == "all-linear"
+        else [t.strip() for t in target_modules.split(",") if t.strip()])
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type,
+                        modules_to_save=modules_to_save)
+    try:
+        with warnings.catch_warnings():  # peft notes GPT-2's Conv1D layout and a transformers deprecation
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            model = get_peft_model(model, config)
+    except ValueError as e:
+        raise TetherError(f"LoRA: {str(e).splitlines()[0]} (set {key})") from None
+    return upcast_trainable(model)

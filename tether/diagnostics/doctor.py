@@ -92,7 +92,7 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
            _fewer_epochs),
         Rx("larger minibatches: fewer minibatches, so fewer gradient steps per epoch", "ppo.mini_batches",
            _fewer_epochs),
-        Rx("early-stop the epoch loop when approx KL to π_old > early_stop_factor × kl.target",
+        Rx("early-stop the epoch loop when approx KL to π_old > early_stop_factor × ppo.target_kl",
            "ppo.early_stop", lambda c: "true" if c is not True else None),
         Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
     ],

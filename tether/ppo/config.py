@@ -97,8 +97,8 @@ class KLConfig:
                             flag="--kl-estimator")
     controller: str = option("fixed", "beta controller (B11)", choices=("fixed", "adaptive", "proportional"),
                              flag="--kl-controller")
-    target: float = option(0.01, "target per-token KL for adaptive/proportional control and early stop",
-                           low=0.0, low_open=True, flag="--target-kl")
+    target: float = option(0.01, "target per-token KL to the reference for the adaptive/proportional controller "
+                           "(not the epoch early stop: ppo.target_kl)", low=0.0, low_open=True, flag="--target-kl")
     horizon: float = option(10000.0, "proportional controller horizon (in samples)", low=1.0)
 
 
@@ -123,8 +123,12 @@ class PPOConfig:
     whiten_advantages: bool = option(True, "z-score advantages over the batch's valid tokens (B8)")
     trim_padding: bool = option(True, "train on micro-batches of similar lengths with their all-padding columns "
                                 "cut (same loss and gradients, less compute)")
-    early_stop: bool = option(True, "stop the epoch loop when approx KL to pi_old > early_stop_factor x target")
-    early_stop_factor: float = option(1.5, "early-stop threshold in units of --target-kl", low=0.0,
+    early_stop: bool = option(True, "stop the epoch loop after an epoch whose mean approx KL to pi_old > "
+                              "early_stop_factor x target_kl (false: every epoch runs)")
+    target_kl: float = option(0.01, "approx KL to pi_old (per token) the epoch early stop is measured against "
+                              "(CleanRL's target_kl; kl.target is the controller's, a KL to the reference); > 0, "
+                              "the stop is turned off by ppo.early_stop false", low=0.0, low_open=True)
+    early_stop_factor: float = option(1.5, "early-stop threshold in units of ppo.target_kl", low=0.0,
                                       low_open=True)
 
 
@@ -188,6 +192,10 @@ class RunConfig:
     tracker_project: str = option("tether", "project name for the trackers (TensorBoard writes RUN_DIR/PROJECT/)")
     tensorboard: bool = option(False, "the same as --log-with tensorboard (kept for older configs)")
     progress: bool = option(True, "show a progress bar")
+    collective_timeout_minutes: float = option(60.0, "how long a process waits in a collective for the others "
+                                               "(several processes) before the run fails: process 0 alone writes "
+                                               "checkpoints and the final policy while the others wait; torch's "
+                                               "default is 10 (NCCL) or 30 (gloo)", low=0.0, low_open=True)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

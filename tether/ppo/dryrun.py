@@ -36,12 +36,13 @@ def launch_checklist(cfg) -> list[CheckItem]:
     norm += f", normalize {r.normalize}"
     return [
         CheckItem("KL controller", f"{k.controller}, beta {k.coef:g}, target {k.target:g}",
-                  "adaptive, target_kl 0.01", k.controller != "fixed", "***"),
+                  "adaptive, kl.target 0.01", k.controller != "fixed", "***"),
         CheckItem("advantage normalisation", "per-batch z-score" if p.whiten_advantages else "off",
                   "per-batch z-score", p.whiten_advantages, "***"),
         CheckItem("value clipping", f"eps_v {p.clip_range_value:g}" if p.clip_range_value else "off",
                   "eps_v 0.2", p.clip_range_value > 0, "***"),
-        CheckItem("early stop by KL", f"{p.early_stop_factor:g} x target, every epoch" if p.early_stop else "off",
+        CheckItem("early stop by KL",
+                  f"{p.early_stop_factor:g} x target_kl {p.target_kl:g}, every epoch" if p.early_stop else "off",
                   "checked every epoch", p.early_stop, "***"),
         CheckItem("held-out evaluation", f"every {cfg.eval.every} steps" if cfg.eval.every else "off",
                   "every N steps", cfg.eval.every > 0 and bool(cfg.data.eval_prompts or cfg.data.eval_fraction), "***"),

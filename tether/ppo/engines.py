@@ -22,7 +22,8 @@ from tether.ppo.rollout import generate
 
 class Engine(Protocol):
     """A rollout engine: samples exactly softmax(logits / temperature) (or greedy) from the policy's weights
-    as of the last ``sync_weights``, and returns the rollout with its masks and EOS flags (B1)."""
+    as of the last ``sync_weights`` (nothing the old weights computed, such as cached prefix K/V, outlives a
+    sync), and returns the rollout with its masks and EOS flags (B1)."""
 
     name: str
     syncs_weights: bool  # False: it reads the trained weights directly and sync_weights does nothing

@@ -22,25 +22,17 @@ import torch
 from torch import nn
 
 from tether.errors import TetherError
-from tether.hf import DTYPES, check_tokenizer_files, disable_dropout, load_errors, load_failed, quiet_transformers
+from tether.hf import (
+    DTYPES,
+    apply_lora,
+    disable_dropout,
+    load_errors,
+    load_failed,
+    load_tokenizer,
+    quiet_transformers,
+    upcast_trainable,
+)
 from tether.presets import resolve_model_path
-
-
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """The tokenizer of ``path`` with a pad token (EOS when it has none: safe, since every mask is
-    built from attention masks and the first EOS, never by searching for the pad id)."""
-    from transformers import AutoTokenizer
-
-    check_tokenizer_files(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except load_errors() as e:
-        raise load_failed(path, "tokenizer", e) from None
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise TetherError(f"{path}: the tokenizer has neither a pad nor an EOS token")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
@@ -57,17 +49,6 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: boo
         raise load_failed(path, "model", e) from None
     disable_dropout(model)
     return model
-
-
-def apply_lora(model, r: int, alpha: int, dropout: float, target: str, task_type: str | None = "CAUSAL_LM"):
-    """Wrap ``model`` with a peft LoRA adapter; adapter weights in fp32. ``task_type`` None for a bare
-    backbone (a critic's ``AutoModel``)."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = "all-linear" if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        task_type=task_type)
-    return upcast_trainable(get_peft_model(model, config))
 
 
 @dataclass(frozen=True)
@@ -94,15 +75,6 @@ class Precision:
     def grad_scaler(self) -> torch.amp.GradScaler:
         """Enabled for fp16 only; disabled, its ``scale``/``unscale_``/``step``/``update`` are pass-throughs."""
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
-
-
-def upcast_trainable(model: nn.Module) -> nn.Module:
-    """Every trainable parameter to fp32, in place: the fp32 masters (exact, a bf16/fp16 value is an fp32
-    value). Buffers keep their dtype, as in the reference twin."""
-    for p in model.parameters():
-        if p.requires_grad and p.is_floating_point():
-            p.data = p.data.float()
-    return model
 
 
 def autocast_cast_parameters(model: nn.Module) -> set[int]:
@@ -179,7 +151,7 @@ def load_policy(cfg_model) -> tuple[Policy, object, Path]:
     reference = None
     if cfg_model.lora_r > 0:
         model = apply_lora(model, cfg_model.lora_r, cfg_model.lora_alpha, cfg_model.lora_dropout,
-                           cfg_model.lora_target_modules)
+                           cfg_model.lora_target_modules, key="model.lora_target_modules")
     else:
         reference = frozen_twin(model)
         upcast_trainable(model)
@@ -261,5 +233,6 @@ def load_critic(cfg_critic, policy: Policy, tokenizer, default_backbone: Path | 
     if lora_r:
         m = cfg_model
         backbone = apply_lora(backbone, lora_r, m.lora_alpha if m else 16, m.lora_dropout if m else 0.0,
-                              m.lora_target_modules if m else "all-linear", task_type=None)
+                              m.lora_target_modules if m else "all-linear", task_type=None,
+                              key="model.lora_target_modules")
     return SeparateCritic(backbone, ValueHead(hidden_size, cfg_critic.head))

@@ -6,7 +6,8 @@ the step's model FLOPs per phase, so that ``perf/mfu`` = FLOPs / (seconds × pea
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -102,3 +103,25 @@ def padding_fraction(query_mask: torch.Tensor, response_mask: torch.Tensor) -> f
     """Share of the positions a forward over the padded (B, P + T) batch computes that are padding."""
     computed = query_mask.numel() + response_mask.numel()
     return 1.0 - float(query_mask.sum() + response_mask.sum()) / max(computed, 1)
+
+
+@dataclass
+class PhaseTimer:
+    """Wall seconds per phase of one step (C2). ``with timer(phase):`` times a block; ``timer.split(part)``
+    inside a block charges the seconds since the block began (or the previous split) to ``part``, and a
+    block with splits is charged only to its parts (the time after the last split goes to that part)."""
+
+    seconds: dict = field(default_factory=dict)
+    _mark: float = 0.0
+    _last: str = ""
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._mark, self._last = time.perf_counter(), phase
+        yield
+        self.split(self._last)
+
+    def split(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._mark
+        self._mark, self._last = now, part

@@ -11,7 +11,7 @@ state after the last token, used for the truncation bootstrap, is the hidden sta
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -163,12 +163,15 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
-def forward_response(model, batch: Rollout, temperature: float, need_hidden: bool = False):
+def forward_response(model, batch: Rollout, temperature: float, need_hidden: bool = False,
+                     entropy_grad: bool = True):
     """Training-side forward over query+response (B2).
 
     Returns ``(logprobs (B, T), entropy (B, T), hidden (B, T+1, H) or None)`` where log-probs and
     entropy are of softmax(logits / temperature) — with EOS out of reach before the rollout's
-    ``min_new_tokens``, as it was sampled — and ``hidden`` holds the last-layer states s_0 … s_T (for values)."""
+    ``min_new_tokens``, as it was sampled — and ``hidden`` holds the last-layer states s_0 … s_T (for values).
+    ``entropy_grad=False``: the entropy is a detached metric, and its (B, T, V) softmax is not kept for backward
+    (with a 32k vocabulary that softmax is the largest tensor a training forward saves)."""
     T = batch.response.shape[1]
     input_ids, attention_mask, position_ids = sequence_inputs(batch.query, batch.query_mask,
                                                               batch.response, batch.response_mask)
@@ -181,7 +184,8 @@ def forward_response(model, batch: Rollout, temperature: float, need_hidden: boo
     if batch.min_new_tokens and batch.eos_ids:
         logits = without_early_eos(logits, batch.eos_ids, batch.min_new_tokens)
     logprobs = logprobs_from_logits(logits, batch.response)
-    entropy = entropy_from_logits(logits)
+    with nullcontext() if entropy_grad else torch.no_grad():
+        entropy = entropy_from_logits(logits)
     hidden = out.hidden_states[-1][:, -(T + 1):] if need_hidden else None
     return logprobs, entropy, hidden
 

@@ -151,5 +151,8 @@ class RunLog:
             tqdm.write(message, file=sys.stderr)
 
     def close(self) -> None:
+        # The trackers only: accelerator.end_training() would also destroy the process group, which the run's
+        # last collectives (rank digests, export) still use; Processes.close() leaves it, on every process.
         if self.enabled and self.trackers:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()

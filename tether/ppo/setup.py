@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -25,7 +27,7 @@ from torch import nn
 
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
-from tether.hf import DTYPES, context_positions
+from tether.hf import DTYPES, context_positions, load_tokenizer
 from tether.ppo.engines import Engine, make_engine
 from tether.ppo.models import (
     Policy,
@@ -33,7 +35,6 @@ from tether.ppo.models import (
     ValueHead,
     load_critic,
     load_policy,
-    load_tokenizer,
     same_vocabulary,
 )
 from tether.ppo.perf import Throughput, throughput_of
@@ -124,6 +125,14 @@ class Processes:
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """The run's last collective: every process waits for the others, then leaves the process group. A
+        process that exits still in the group leaves it to interpreter shutdown, where gloo's worker threads
+        can still hold tensors of the last collectives (pytorch/pytorch#179291: SIGABRT at exit)."""
+        self.wait()
+        if self.world_size > 1:
+            self.accelerator.state.destroy_process_group()
 
 
 @dataclass
@@ -230,19 +239,44 @@ def default_critic_backbone(cfg, tokenizer, policy_path: Path) -> Path:
 def make_processes(cfg) -> Processes:
     """The accelerator (DDP across processes, or FSDP2 when the launch config asks for it; trackers from
     ``--log-with``, logging under the run directory). On CPU the accelerator runs gloo processes (it would
-    wrap in DDP whatever the config says): the FSDP settings are read here and applied by :func:`setup`."""
+    wrap in DDP whatever the config says): the FSDP settings are read here and applied by :func:`setup`.
+
+    accelerate's mixed precision is ignored on purpose (``mixed_precision="no"``; tether owns precision through
+    ``--model-dtype``, C5): it would autocast what ``prepare`` wraps but not the frozen reference (step-1 KL ≠ 0),
+    and its fp16 GradScaler would scale the gradients tether clips. Its config file reaches a run only as the
+    ``ACCELERATE_MIXED_PRECISION`` that ``accelerate launch`` exports; the explicit argument overrides that."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     from tether.ppo.runlog import check_trackers, tracker_names
 
     trackers = tracker_names(cfg)
     check_trackers(trackers)
+    # The collective timeout: the others wait while process 0 alone writes a checkpoint or the final policy, on
+    # a big model or a busy machine longer than torch's default (NCCL 10 min: its watchdog then aborts them).
+    # (accelerate passes only a value other than its own default, 10 min; at exactly 10, gloo keeps its 30.)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None,
-                              project_dir=cfg.output_dir,
-                              kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+                              project_dir=cfg.output_dir, mixed_precision="no",
+                              kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
+                                               InitProcessGroupKwargs(
+                                                   timeout=timedelta(minutes=cfg.collective_timeout_minutes))])
+    note = ignored_mixed_precision_note(os.environ.get("ACCELERATE_MIXED_PRECISION", ""), cfg.model.dtype)
+    if note and accelerator.is_main_process:
+        print(note, file=sys.stderr)
     return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index,
                      fsdp=fsdp_settings())
+
+
+def ignored_mixed_precision_note(setting: str, model_dtype: str) -> str:
+    """The one line saying accelerate's mixed-precision ``setting`` is ignored, or "" when it asks for nothing
+    ("no", unset) or for what ``--model-dtype`` already is."""
+    setting = setting.strip().lower()
+    if setting in ("", "no") or setting == model_dtype:
+        return ""
+    return (f"note: ACCELERATE_MIXED_PRECISION={setting} (accelerate config / --mixed_precision) is ignored: this "
+            f"run computes in --model-dtype {model_dtype}; --model-dtype bf16 is tether's mixed precision")
 
 
 def chat_template_on(cfg, tokenizer) -> bool:
@@ -273,10 +307,11 @@ def make_optimisation(cfg, policy: Policy, critic: nn.Module, precision: Precisi
     policy_optimizer = adamw(policy_params, o.lr, o)
     critic_optimizer = adamw(critic_params, o.critic_lr, o)
     total_updates = cfg.steps * cfg.ppo.epochs * cfg.ppo.mini_batches
+    schedule = "constant_with_warmup" if o.schedule == "constant" else o.schedule  # "constant" ignores warm-up
     return Optimisation(
         policy_optimizer=policy_optimizer, critic_optimizer=critic_optimizer,
-        policy_scheduler=get_scheduler(o.schedule, policy_optimizer, o.warmup_steps, total_updates),
-        critic_scheduler=get_scheduler(o.schedule, critic_optimizer, o.warmup_steps, total_updates),
+        policy_scheduler=get_scheduler(schedule, policy_optimizer, o.warmup_steps, total_updates),
+        critic_scheduler=get_scheduler(schedule, critic_optimizer, o.warmup_steps, total_updates),
         policy_params=policy_params, critic_params=critic_params,
         kl_controller=make_kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon),
         scaler=precision.grad_scaler())

@@ -3,19 +3,23 @@
 A source maps decoded text to one score per response: ``source(prompts, responses, fields) -> (B,)``.
 Sources: a reward model directory (standardised scores, A5) — several of them form one ensemble
 (mean or min, A8) — a process reward model directory (A9: per-step scores; with ``per_step`` its step rewards
-land on the tokens that end the steps, :func:`dense_step_rewards`) and rules, any Python callable ``f(prompts, responses, **fields) -> list[float]``
-named ``module:function`` (optionally ``module:function:key=value,...`` for keyword arguments).
+land on the tokens that end the steps, :func:`dense_step_rewards`) and rules, any Python callable
+``f(prompts, responses, **fields) -> list[float]`` named ``module:function`` (optionally
+``module:function:key=value,...`` for keyword arguments). The PPO step scores a rollout with
+:func:`score_rollout`: a :class:`RewardScores` record holding the sequence channel (the sequence-level
+sources' summed scores, B4 applies to it) and the dense channel (per-step PRM rewards per token) apart.
 Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
 reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
 rule can refuse to credit truncated replies; rules that don't name it and take no ``**fields`` never see it.
-Sources are summed. Then: length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or
-running z-score) and clipping to [−c, c].
+Sequence scores are summed. Then: length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or
+running z-score) and clipping to [−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -103,11 +107,14 @@ class RuleSource:
     def __init__(self, spec: str):
         self.name = spec
         self.fn = load_rule(spec)
-        self.errors: dict[int, str] = {}  # the rows of the last call that raised (named in the step's alert)
+
+    def scores_and_errors(self, prompts, responses, fields) -> tuple[torch.Tensor, dict[int, str]]:
+        """(B,) scores (NaN where the rule raised on the row) and ``{row: "ExcType: message"}`` of those rows."""
+        errors: dict[int, str] = {}
+        return call_rule(self.fn, prompts, responses, fields, errors=errors), errors
 
     def __call__(self, prompts, responses, fields) -> torch.Tensor:
-        self.errors = {}
-        return call_rule(self.fn, prompts, responses, fields, errors=self.errors)
+        return self.scores_and_errors(prompts, responses, fields)[0]
 
 
 class RewardModelSource:
@@ -126,58 +133,68 @@ class RewardModelSource:
 
 
 class ProcessRewardSource:
-    """A process reward model (A9). ``per_step``: each step's reward r_k = min(p_k − η, 0)
-    (:func:`~tether.core.steps.clipped_step_reward`) lands on the token that ends the step
-    (:func:`dense_step_rewards`); the call returns Σ_k r_k per response, the total that metrics and
-    evaluation report. ``min`` / ``last``: one score per response, min_k p_k or p_K, like any source."""
+    """A process reward model (A9), read on the steps that fit its max_length
+    (:meth:`tether.rm.process.ProcessRewardModel.read_responses`). ``per_step`` (``dense``): step k's reward
+    (:func:`judged_step_rewards`) lands on the token that ends the step (:meth:`step_rewards`,
+    :func:`dense_step_rewards`); a call returns Σ_k r_k per response, the total that evaluation reports.
+    ``min`` / ``last``: one score per response, min_k p_k or p_K over the steps read, like any source."""
 
     def __init__(self, directory: str, aggregation: str = "per_step", threshold: float = 0.5, batch_size: int = 64,
                  device=None):
-        from tether.rm.model import RewardModel
+        from tether.rm.process import ProcessRewardModel
 
         self.name, self.aggregation, self.threshold, self.batch_size = directory, aggregation, threshold, batch_size
-        self.rm = RewardModel.from_pretrained(directory, device=device)
+        self.prm = ProcessRewardModel.from_pretrained(directory, device=device)
         self.dense = aggregation == "per_step"
-        self.step_rewards: list[list[float]] = []  # per response of the last call (per_step)
-        self.step_ends: list[list[int | None]] = []  # char index ending each step (None: the response's end)
+
+    def step_rewards(self, prompts, responses) -> tuple[list[list[float]], list[list[int | None]]]:
+        """Per response: each step's reward r_k (:func:`judged_step_rewards`) and the character index that ends
+        the step in the response (None: its last step, with no separator after it)."""
+        read = self.prm.read_responses(prompts, responses, batch_size=self.batch_size)
+        return ([judged_step_rewards(s.values, s.read, self.threshold).tolist() for s in read],
+                [s.ends for s in read])
 
     def __call__(self, prompts, responses, fields) -> torch.Tensor:
-        from tether.core.steps import aggregate_steps, clipped_step_reward, split_steps
-        from tether.rm.process import score_step_lists
+        from tether.core.steps import aggregate_steps
 
-        steps, ends = zip(*(split_steps(r, self.rm.step_separator) for r in responses)) if responses else ((), ())
-        probs = score_step_lists(self.rm, prompts, steps, batch_size=self.batch_size)
-        if not self.dense:
-            return torch.tensor([aggregate_steps(p, self.aggregation) for p in probs], dtype=torch.float32)
-        self.step_rewards = [clipped_step_reward(p, self.threshold).tolist() for p in probs]
-        self.step_ends = list(ends)
-        return torch.tensor([sum(r) for r in self.step_rewards], dtype=torch.float32)  # NaN stays NaN (B16)
+        if self.dense:
+            return torch.tensor([sum(r) for r in self.step_rewards(prompts, responses)[0]], dtype=torch.float32)
+        read = self.prm.read_responses(prompts, responses, batch_size=self.batch_size)
+        return torch.tensor([aggregate_steps(s.values[s.read], self.aggregation) if s.read.any() else math.nan
+                             for s in read], dtype=torch.float32)  # NaN stays NaN: the row is dropped (B16)
 
 
-def dense_step_rewards(sources: list, response: torch.Tensor, response_mask: torch.Tensor, tokenizer
-                       ) -> torch.Tensor:
-    """(B, T) float32: the step rewards of the dense sources of the last scoring call, each on the token that
-    ends its step (:func:`~tether.core.steps.step_token_positions`: the first token whose decoded prefix
-    reaches past the step's separator; the last valid token — EOS, or the last sampled token of a truncated
-    response — for a final step with no separator). Zeros when no source is dense."""
+def judged_step_rewards(p_good: torch.Tensor, read: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(K,) per-step PPO rewards from a PRM's (K,) probabilities:
+
+        r_k = min(p_k − η, 0)  if the PRM read step k,   r_k = 0  if max_length cut it off,
+
+    (:func:`~tether.core.steps.clipped_step_reward`). A cut step is not judged either way, as an outcome RM does
+    not judge the end of a reply it truncates; a NaN probability of a step that was read stays NaN (B16)."""
+    from tether.core.steps import clipped_step_reward
+
+    return torch.where(read, clipped_step_reward(p_good, threshold), 0.0)
+
+
+def dense_step_rewards(step_rewards: list[list[float]], step_ends: list[list[int | None]], response: torch.Tensor,
+                       response_mask: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(B, T) float32 on CPU: each response's step rewards, each on the token that ends its step
+    (:func:`~tether.core.steps.step_token_positions`: the first token whose decoded prefix reaches past the
+    step's separator; the last valid token — EOS, or the last sampled token of a truncated response — for a
+    final step with no separator). ``step_ends``: per response, the character index ending each step. A NaN
+    reward stays NaN (the row is then dropped, B16); a response with no tokens keeps it on its first column."""
     from tether.core.steps import place_step_rewards, step_token_positions
 
-    out = torch.zeros(response.shape, dtype=torch.float32, device=response.device)
-    for source in sources:
-        if not getattr(source, "dense", False):
+    positions, rewards = [], []
+    for b, (ends, row_rewards) in enumerate(zip(step_ends, step_rewards)):
+        tokens = response[b][response_mask[b].bool()].tolist()
+        if not tokens:
+            positions.append([0] if not all(map(math.isfinite, row_rewards)) else [])
+            rewards.append([math.nan] if positions[-1] else [])
             continue
-        positions, rewards = [], []
-        for b, (ends, row_rewards) in enumerate(zip(source.step_ends, source.step_rewards)):
-            tokens = response[b][response_mask[b].bool()].tolist()
-            if not tokens:
-                positions.append([])
-                rewards.append([])
-                continue
-            prefix = _DecodedLength(tokenizer, tokens)
-            positions.append(step_token_positions(ends, prefix))
-            rewards.append([0.0 if math.isnan(r) else r for r in row_rewards])  # a NaN row is dropped anyway
-        out += place_step_rewards(rewards, positions, tuple(response.shape)).to(out.device)
-    return out
+        positions.append(step_token_positions(ends, _DecodedLength(tokenizer, tokens)))
+        rewards.append(row_rewards)
+    return place_step_rewards(rewards, positions, tuple(response.shape))
 
 
 class _DecodedLength:
@@ -280,3 +297,50 @@ def score_responses(sources: list, prompts: list[str], responses: list[str], fie
     """Σ over sources of their (B,) scores; rules also get ``ended_with_eos`` when given (see call_rule)."""
     fields = with_eos_field(fields, ended_with_eos)
     return torch.stack([source(prompts, responses, fields) for source in sources]).sum(dim=0)
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """What the reward sources gave one rollout (B4, A9), two channels apart, both float32 on CPU:
+
+    - ``sequence`` (B,): the summed scores of the sequence-level sources (reward models, rules, a PRM read as
+      ``min``/``last``); B4's penalties, normalisation and clip apply to it, then it lands on the last token.
+      Exactly 0 where no sequence-level source scored (a per-step PRM alone).
+    - ``dense`` (B, T): the step rewards of per-step PRMs on the tokens that end the steps (zeros if none);
+      outside B4.
+
+    ``errors``: ``{row: "SOURCE raised ExcType: message"}`` for the rows a rule raised on (their score is NaN)."""
+
+    sequence: torch.Tensor
+    dense: torch.Tensor
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """(B,) what each response earned from the sources, sequence + Σ_t dense; NaN (non-finite) if either
+        channel is, so a finite check on it covers both."""
+        return self.sequence + self.dense.sum(dim=1)
+
+
+def score_rollout(sources: list, prompts: list[str], responses: list[str], fields: dict, rollout, tokenizer
+                  ) -> RewardScores:
+    """The sources' scores of one rollout (B4, A9): ``responses`` the decoded texts of ``rollout.response``
+    (its valid tokens, special tokens skipped), ``fields`` the prompt rows' other columns; rules also get
+    ``ended_with_eos``. ``tokenizer``: the policy's, to find the token that ends each PRM step."""
+    fields = with_eos_field(fields, rollout.ended_with_eos)
+    sequence = torch.zeros(len(responses), dtype=torch.float32)
+    dense = torch.zeros(tuple(rollout.response.shape), dtype=torch.float32)
+    errors: dict[int, str] = {}
+    for source in sources:
+        if getattr(source, "dense", False):
+            rewards, ends = source.step_rewards(prompts, responses)
+            dense += dense_step_rewards(rewards, ends, rollout.response.cpu(), rollout.response_mask.cpu(),
+                                        tokenizer)
+            continue
+        if hasattr(source, "scores_and_errors"):
+            scores, raised = source.scores_and_errors(prompts, responses, fields)
+            errors.update({row: f"{source.name} raised {e}" for row, e in raised.items() if row not in errors})
+        else:
+            scores = source(prompts, responses, fields)
+        sequence += scores.float().cpu()
+    return RewardScores(sequence=sequence, dense=dense, errors=errors)

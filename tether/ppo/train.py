@@ -83,8 +83,9 @@ def restore(run, run_dir: Path) -> int:
     else:
         o.policy_optimizer.load_state_dict(state["policy_optimizer"])
         o.critic_optimizer.load_state_dict(state["critic_optimizer"])
-    o.policy_scheduler.load_state_dict(state["policy_scheduler"])
-    o.critic_scheduler.load_state_dict(state["critic_scheduler"])
+    # Only the schedules' positions come from the checkpoint: their shape is this run's (--steps may have grown).
+    o.policy_scheduler = continue_schedule(o.policy_scheduler, state["policy_scheduler"]["last_epoch"])
+    o.critic_scheduler = continue_schedule(o.critic_scheduler, state["critic_scheduler"]["last_epoch"])
     o.kl_controller.load_state_dict(state["kl_controller"])
     if state.get("grad_scaler"):  # fp16 (a resumed run has the saved --model-dtype: check_same_config)
         o.scaler.load_state_dict(state["grad_scaler"])
@@ -92,6 +93,17 @@ def restore(run, run_dir: Path) -> int:
     d.prompts.load_state_dict(state["prompts"])
     restore_rng(run, state)
     return int(state["step"])
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, updates_done: int):
+    """``scheduler`` (made by :func:`~tether.ppo.setup.make_optimisation` for this run's total of updates,
+    steps × epochs × minibatches) moved to ``updates_done``, the optimizer updates the checkpoint had made, with
+    each param group's LR set to that position's value, lr = base_lr × λ(updates_done): what the next update
+    uses. The checkpoint's schedule and its optimizer state's LR were for the saved run's --steps: resumed with
+    more steps, a finished linear decay would give LR 0. With the same --steps, the same LRs as the straight run
+    (the scheduler's own step computes base_lr × λ(n) too)."""
+    # A LambdaLR made at last_epoch n − 1 takes its first step to n on construction (public API, no state poking).
+    return torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, scheduler.lr_lambdas, last_epoch=updates_done - 1)
 
 
 def start_in_place(run_dir: Path, resume: bool) -> tuple[bool, str]:
@@ -113,7 +125,7 @@ def start_in_place(run_dir: Path, resume: bool) -> tuple[bool, str]:
 
 # What may change between a run and its --resume: how long it runs, how it logs and saves, what it watches.
 RESUMABLE_CHANGES = ("steps", "save_every", "save_every_minutes", "keep_checkpoints", "log_with", "tracker_project",
-                     "tensorboard", "progress", "eval.", "health.")
+                     "tensorboard", "progress", "collective_timeout_minutes", "eval.", "health.")
 
 
 def check_same_config(cfg, run_dir: Path) -> None:
@@ -130,6 +142,8 @@ def check_same_config(cfg, run_dir: Path) -> None:
         saved = flatten(yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {})
     except (yaml.YAMLError, AttributeError):
         raise TetherError(f"{saved_path}: not a readable config; cannot check --resume against it") from None
+    if "ppo.target_kl" not in saved and "kl.target" in saved:  # saved before the key: its early stop read kl.target
+        saved["ppo.target_kl"] = saved["kl.target"]
     for key, value in flatten(config_to_dict(cfg)).items():
         if key.startswith(RESUMABLE_CHANGES) or key == "output_dir" or key not in saved:
             continue
@@ -301,7 +315,7 @@ def train(cfg, resume: bool = False) -> Path:
     if run.processes.world_size > 1 and run.models.fsdp is None:  # FSDP2 holds one sharded copy: nothing to compare
         check_ranks_in_sync(run, log, run_dir)
     export_policy(run, run_dir)
-    run.processes.wait()
+    run.processes.close()
     return run_dir
 
 

@@ -1,18 +1,14 @@
-"""Reward models as components: text formatting, last-token pooling, loading, scoring API, ensembles.
+"""Outcome reward models as components: text formatting, loading, scoring API, ensembles.
 
-A reward model is any Hugging Face ``AutoModelForSequenceClassification`` with one output (A1).
+A reward model is any Hugging Face ``AutoModelForSequenceClassification`` with one output (A1). A process
+reward model (A9) is the same backbone read at every step: :class:`tether.rm.process.ProcessRewardModel`.
 
 - **Formatting.** ``TextFormat`` turns ``(prompt, reply)`` into token ids the same way in training and in
   scoring: the tokenizer's chat template when it has one (user = prompt, assistant = reply; HH
   transcripts become their Human/Assistant turns), plain concatenation ``prompt + separator + reply``
   otherwise. Too-long texts lose the *start of the prompt* first and the end of the reply only when the
   reply alone does not fit — pairs are never dropped (TRL drops them, and learns "longer wins").
-- **Pooling.** Causal LMs: score = head(h_last), h_last the last hidden state at the last position whose
-  attention mask is 1. Found from the mask, never by searching for the pad id, so it is right under left,
-  right or no padding and when PAD = EOS (HF's own pooling searches for pad_token_id and picks the
-  token *before* a final EOS when PAD = EOS). Encoders (BERT-like) keep their own pooling (the logits)
-  unless ``mean`` is asked for: score = head(masked mean of the last hidden states), the pooling that
-  sentence-embedding encoders (MiniLM) were trained with.
+- **Pooling.** Last-token pooling from the attention mask, or the model's own (:mod:`tether.rm.backbone`).
 - **Scale (A5).** BT fixes scores only up to a constant, so ``RewardModel`` stores mean/std of raw
   scores on a reference sample and returns z = (r − mean) / std unless ``raw=True``.
 - **Ensembles (A8).** ``RewardEnsemble`` reduces standardised scores by mean or min.
@@ -20,10 +16,8 @@ A reward model is any Hugging Face ``AutoModelForSequenceClassification`` with o
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -32,12 +26,12 @@ import torch
 
 from tether.data import transcript_messages
 from tether.errors import TetherError
-from tether.hf import check_tokenizer_files, load_errors, quiet_transformers
+from tether.hf import load_tokenizer, quiet_transformers
+from tether.rm.backbone import load_sequence_classifier, pad_batch, pooled_scores, pooling_of
 
 METADATA_FILE = "tether_reward.json"
 FORMAT_VERSION = 1
 _SENTINEL = "\u2063TETHER_REPLY\u2063"  # placeholder for the reply when rendering a chat template
-HEAD_NAMES = ("score", "classifier", "pre_classifier")  # randomly initialised heads of HF seq-cls models
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -110,161 +104,6 @@ def choose_format(tokenizer, kind: str = "auto", separator: str = "", max_length
     return TextFormat(kind=kind, separator=separator, max_length=max_length)
 
 
-def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, both (B, T) with T the longest row; padded on ``side``."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (B, T)
-    for row, seq in enumerate(seqs):
-        cols = slice(0, len(seq)) if side == "right" else slice(width - len(seq), width)
-        ids[row, cols] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, cols] = 1
-    return ids, mask
-
-
-# ----------------------------------------------------------------------------------------------- pooling
-POOLINGS = ("last_token", "mean", "model")
-
-
-def pooling_of(model) -> str:
-    """``"last_token"`` for models with a linear ``score`` head on a decoder (GPT-2, Llama, Qwen, …),
-    ``"model"`` (the model's own logits, e.g. BERT's [CLS] pooler + classifier) otherwise."""
-    head = getattr(unwrap(model), "score", None)
-    head = getattr(head, "original_module", head)  # peft's modules_to_save wrapper keeps the original
-    return "last_token" if isinstance(head, torch.nn.Linear) else "model"
-
-
-def linear_head(model):
-    """The one-output linear head that ``last_token``/``mean`` pooling feed: ``score`` (decoders) or
-    ``classifier`` (BERT-like encoders); None when the model has neither as a plain linear layer."""
-    hf = unwrap(model)
-    for name in ("score", "classifier"):
-        head = getattr(hf, name, None)
-        if isinstance(getattr(head, "original_module", head), torch.nn.Linear):
-            return head  # the peft wrapper itself when there is one: it routes to the trained copy
-    return None
-
-
-def check_pooling(model, pooling: str) -> str:
-    """``pooling`` resolved (``"auto"`` → :func:`pooling_of`) and checked against the model's head."""
-    if pooling == "auto":
-        return pooling_of(model)
-    if pooling not in POOLINGS:
-        raise TetherError(f"pooling must be auto or one of {', '.join(POOLINGS)}, got {pooling!r}")
-    if pooling != "model" and linear_head(model) is None:
-        raise TetherError(f"pooling '{pooling}' needs a linear 'score' or 'classifier' head; "
-                          f"{type(unwrap(model)).__name__} has neither (use pooling 'model')")
-    return pooling
-
-
-def unwrap(model):
-    """The Hugging Face model inside a peft wrapper (LoRA layers stay injected and active)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def _accepts(module, name: str) -> bool:
-    return name in inspect.signature(module.forward).parameters
-
-
-def last_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, H) last hidden states of the backbone without its head; position ids count real tokens only
-    (cumsum of the mask) so left padding does not shift positions."""
-    body = unwrap(model).base_model  # GPT2Model, LlamaModel, …: the backbone without the head
-    kwargs = {}
-    if _accepts(body, "position_ids"):
-        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    if _accepts(body, "use_cache"):
-        kwargs["use_cache"] = False
-    return body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-
-
-def pooled_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """Raw scores (B,) float32 of padded rows ``input_ids``/``attention_mask`` (B, T).
-
-    ``last_token``: r = w·h[b, t_b] (+ bias), t_b = the last t with attention_mask[b, t] = 1, so padding on
-    either side, or none, gives the same score; position ids count real tokens only (cumsum of the mask)
-    so left padding does not shift positions. ``mean``: r = w·(Σ_t m[b,t]·h[b,t] / Σ_t m[b,t]) (+ bias),
-    every real token (special ones included, as sentence-transformers does). ``model``: the model's own
-    pooled logits.
-    """
-    if pooling == "model":
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
-    hidden = last_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
-    if pooling == "mean":
-        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)  # (B, H)
-    else:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
-        last = (positions * attention_mask).argmax(-1)  # (B,) last position with mask 1
-        pooled = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]  # (B, H)
-    return linear_head(model)(pooled)[:, 0].float()  # (B,)
-
-
-# ------------------------------------------------------------------------------------------------ loading
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    check_tokenizer_files(path)
-    try:
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError) as e:
-        raise TetherError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise TetherError(f"{path}: tether needs a fast tokenizer (tokenizer.json) to locate the reply in the text")
-    # TextFormat.encode truncates after tokenising (to keep the reply), so long texts are expected there:
-    # mute transformers' one-time "sequence length is longer than the maximum" warning.
-    getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
-    return tokenizer
-
-
-def load_sequence_classifier(path: str | Path, *, dtype: torch.dtype | str | None = None, new_head: bool = False):
-    """``AutoModelForSequenceClassification`` from a local directory; ``new_head``: one output, a head
-    initialised randomly when the checkpoint has none (e.g. a causal LM). Returns ``(model, head_is_new)``."""
-    from transformers import AutoModelForSequenceClassification
-
-    kwargs = {"num_labels": 1, "ignore_mismatched_sizes": True} if new_head else {}
-    try:
-        with quiet_transformers():
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                str(path), dtype=dtype, output_loading_info=True, **kwargs)
-    except ValueError as e:
-        raise TetherError(f"{path}: cannot load as a sequence classifier ({str(e).splitlines()[0]})") from None
-    except load_errors() as e:  # missing or corrupt weights (safetensors), a config.json that is not JSON
-        raise TetherError(f"{path}: cannot load model weights ({str(e).splitlines()[0]})") from None
-    if model.config.num_labels != 1:
-        raise TetherError(f"{path}: a reward model has one output, this one has {model.config.num_labels}")
-    names = list(info.get("missing_keys", [])) + [m[0] if isinstance(m, tuple) else m
-                                                  for m in info.get("mismatched_keys", [])]
-    return model, any(n.split(".")[0] in HEAD_NAMES for n in names)
-
-
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: str = ""):
-    """Wrap ``model`` in peft LoRA (``task_type="SEQ_CLS"``) with the head fully trained
-    (``modules_to_save``); all trainable weights cast to fp32 (A6). ``target_modules``: comma list, or ``""``
-    for peft's default for the architecture, or ``"all-linear"``."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = None if not target_modules else (
-        "all-linear" if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",") if t.strip()])
-    heads = [n for n in HEAD_NAMES if isinstance(getattr(model, n, None), torch.nn.Module)]
-    config = LoraConfig(task_type="SEQ_CLS", r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=targets, modules_to_save=heads)
-    try:
-        with warnings.catch_warnings():  # peft notes GPT-2's Conv1D layout and a transformers deprecation
-            warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            model = get_peft_model(model, config)
-    except ValueError as e:
-        raise TetherError(f"LoRA: {str(e).splitlines()[0]} (set lora.target_modules)") from None
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    return model
-
-
 # ---------------------------------------------------------------------------------------- scoring API
 class RewardModel:
     """A trained reward model: ``score(prompts, responses)`` → standardised scores (B,) float32 on CPU.
@@ -284,48 +123,17 @@ class RewardModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None) -> "RewardModel":
-        """Load a directory written by ``tether train-rm``; TetherError if it is not one."""
-        from tether.presets import resolve_model_path
-
-        path = resolve_model_path(str(path), what="reward model")
-        meta_path = path / METADATA_FILE
-        if not meta_path.is_file():
-            raise TetherError(f"{path}: not a tether reward model (no {METADATA_FILE})")
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            text_format = TextFormat(**meta["text_format"])
-            norm = meta["normalization"]
-            mean, std = float(norm["mean"]), float(norm["std"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise TetherError(f"{meta_path}: invalid tether reward metadata ({e})") from None
-        tokenizer = load_tokenizer(path)
-        model, _ = load_sequence_classifier(path, dtype=dtype)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model.to(device).eval()
-        return cls(model, tokenizer, text_format, meta.get("pooling"), mean, std, meta)
+        """Load a directory written by ``tether train-rm``; TetherError if it is not one, or if it holds a
+        process reward model (whose scores are read per step: :class:`tether.rm.process.ProcessRewardModel`)."""
+        rm = load_reward_dir(path, device, dtype)
+        if rm.metadata.get("kind") == "process":
+            raise TetherError(f"{path}: a process reward model (train-rm --process); load it with "
+                              f"tether.rm.process.ProcessRewardModel.from_pretrained")
+        return rm
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    @property
-    def is_process(self) -> bool:
-        """A process reward model (A9): one score per step (``score_steps``); ``score`` is their minimum."""
-        return self.metadata.get("kind") == "process"
-
-    @property
-    def step_separator(self) -> str:
-        return self.metadata.get("step_separator", "\n")
-
-    def score_steps(self, prompts: Sequence[str], responses: Sequence[str], raw: bool = False,
-                    batch_size: int = 64) -> list[torch.Tensor]:
-        """PRMs only: per response, (K,) P(step k is right) for its steps (split at ``step_separator``), the
-        logits with ``raw=True``; NaN for a step cut by max_length (:mod:`tether.rm.process`)."""
-        from tether.rm.process import score_responses_steps
-
-        if not self.is_process:
-            raise TetherError("score_steps() needs a process reward model (trained with train-rm --process)")
-        return score_responses_steps(self, prompts, responses, raw=raw, batch_size=batch_size)
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> list[Encoded]:
         if isinstance(prompts, str) or isinstance(responses, str):
@@ -339,9 +147,6 @@ class RewardModel:
               batch_size: int = 64) -> torch.Tensor:
         """Scores (B,) float32 on CPU, one per (prompt, response): standardised z = (r − mean)/std, or the
         raw head output r with ``raw=True``. Batched by similar length; no gradients."""
-        if self.is_process:  # the worst step's probability (logit with raw=True): min is monotone in σ
-            per_step = self.score_steps(prompts, responses, raw=raw, batch_size=batch_size)
-            return torch.stack([s.min() for s in per_step]).float()  # split_steps gives ≥ 1 step
         encoded = [e.ids for e in self.encode(prompts, responses)]
         out = torch.empty(len(encoded), dtype=torch.float32)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding per batch
@@ -373,6 +178,30 @@ class RewardModel:
                 "normalization": norm}
         meta.update({k: v for k, v in {**self.metadata, **(extra or {})}.items() if k not in meta})
         (path / METADATA_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_reward_dir(path: str | Path, device: str | torch.device | None = None,
+                    dtype: torch.dtype | str | None = None) -> RewardModel:
+    """The model, tokenizer, text format, scale and metadata of a directory written by ``tether train-rm``
+    (outcome or process), on ``device`` (CUDA when there is one); TetherError if it is not one."""
+    from tether.presets import resolve_model_path
+
+    path = resolve_model_path(str(path), what="reward model")
+    meta_path = path / METADATA_FILE
+    if not meta_path.is_file():
+        raise TetherError(f"{path}: not a tether reward model (no {METADATA_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        text_format = TextFormat(**meta["text_format"])
+        norm = meta["normalization"]
+        mean, std = float(norm["mean"]), float(norm["std"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise TetherError(f"{meta_path}: invalid tether reward metadata ({e})") from None
+    tokenizer = load_tokenizer(path, need_pad=False, need_fast=True)
+    model, _ = load_sequence_classifier(path, dtype=dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    return RewardModel(model, tokenizer, text_format, meta.get("pooling"), mean, std, meta)
 
 
 class RewardEnsemble:

@@ -8,8 +8,14 @@ logit of P(step k is right | prompt, steps ≤ k), trained with per-step binary 
 (:func:`tether.core.steps.step_bce_loss`). An outcome RM is the one-step case: the whole response as one
 step, labelled by whether the final answer is right.
 
-Texts too long for ``max_length`` lose the start of the prompt first, then whole steps from the end;
-a step that does not fit has no score (NaN) and its label is left out of training.
+Texts too long for ``max_length`` lose the start of the prompt first (down to one token), then whole steps
+from the end: a step whose read-out token does not fit has no score (NaN) and its label is left out of
+training. Scoring a response (:meth:`ProcessRewardModel.score`, PPO's reward source) also reads a first step
+that alone does not fit at the last token that fits — an outcome RM reads a too-long reply so —, so every
+response gets a score, never NaN for its length.
+
+:class:`ProcessRewardModel` wraps the :class:`~tether.rm.model.RewardModel` it is saved as (same directory
+layout, ``"kind": "process"`` in ``tether_reward.json``): its backbone helpers are :mod:`tether.rm.backbone`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import torch
 from tether.core.stats import wilson_interval
 from tether.core.steps import first_error, split_steps
 from tether.errors import TetherError
+from tether.rm.backbone import last_hidden_states, linear_head, pad_batch
+from tether.rm.model import load_reward_dir
 
 
 class EncodedSteps(NamedTuple):
@@ -31,10 +39,13 @@ class EncodedSteps(NamedTuple):
 
 
 def encode_steps(tokenizer, prompt: str, steps: Sequence[str], separator: str, prompt_separator: str = "",
-                 max_length: int = 512) -> EncodedSteps:
+                 max_length: int = 512, read_cut_first: bool = False) -> EncodedSteps:
     """Token ids of ``prompt + prompt_separator + Σ_k (step_k + separator)`` and, per step, the index of the
     last token of its piece. Pieces are tokenised one by one (TRL does the same), so the read-out token is
-    always the separator's, whatever the tokenizer merges across a boundary."""
+    always the separator's, whatever the tokenizer merges across a boundary. Too long: the prompt loses its
+    start (down to one token), then every step from the first whose piece does not fit is cut (None; it
+    would lack its context). ``read_cut_first``: a first step that alone does not fit keeps its first tokens
+    up to ``max_length`` and is read at the last of them (scoring; training leaves it unlabelled)."""
     prompt_ids = list(tokenizer(prompt + prompt_separator, add_special_tokens=True)["input_ids"])
     pieces = [list(tokenizer(step + separator, add_special_tokens=False)["input_ids"]) for step in steps]
     step_tokens = sum(len(p) for p in pieces)
@@ -46,7 +57,11 @@ def encode_steps(tokenizer, prompt: str, steps: Sequence[str], separator: str, p
     ids, positions = list(prompt_ids), []
     for piece in pieces:
         if positions and positions[-1] is None or len(ids) + len(piece) > max_length or not piece:
-            positions.append(None)  # once a step is cut, every later one is (it would lack its context)
+            if read_cut_first and not positions and piece and len(ids) < max_length:
+                ids += piece[:max_length - len(ids)]
+                positions.append(len(ids) - 1)
+            else:
+                positions.append(None)
             continue
         ids += piece
         positions.append(len(ids) - 1)
@@ -57,8 +72,6 @@ def step_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, po
                 ) -> torch.Tensor:
     """(B, K) float32 logits z_{b,k} = w·h[b, positions[b, k]] (+ bias) of right-padded rows; ``positions``
     (B, K) long, any valid index where a step is padding (the caller masks it)."""
-    from tether.rm.model import last_hidden_states, linear_head
-
     hidden = last_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)  # (B, 1)
     return linear_head(model)(hidden[rows, positions])[..., 0].float()  # (B, K)
@@ -67,8 +80,6 @@ def step_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, po
 def batch_tensors(encoded: Sequence[EncodedSteps], pad_id: int) -> tuple[torch.Tensor, ...]:
     """``(input_ids, attention_mask, positions, step_mask)``: (B, T), (B, T), (B, K), (B, K) with K the most
     steps of a row; cut and padded steps have step_mask 0 and position 0."""
-    from tether.rm.model import pad_batch
-
     ids, mask = pad_batch([e.ids for e in encoded], pad_id, "right")
     k_max = max(1, max(len(e.positions) for e in encoded))
     positions = torch.zeros((len(encoded), k_max), dtype=torch.long)
@@ -80,36 +91,110 @@ def batch_tensors(encoded: Sequence[EncodedSteps], pad_id: int) -> tuple[torch.T
     return ids, mask, positions, step_mask
 
 
-@torch.no_grad()
-def score_step_lists(rm, prompts: Sequence[str], steps: Sequence[Sequence[str]], raw: bool = False,
-                     batch_size: int = 64) -> list[torch.Tensor]:
-    """Per row, (K,) float32 on CPU: P(step k is right) = σ(z_k), or the logits z_k with ``raw``; NaN for a
-    step cut by max_length. ``rm`` is a :class:`~tether.rm.model.RewardModel` trained as a PRM."""
-    if len(prompts) != len(steps):
-        raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
-    fmt, sep = rm.text_format, rm.step_separator
-    encoded = [encode_steps(rm.tokenizer, p, s, sep, fmt.separator, fmt.max_length) for p, s in zip(prompts, steps)]
-    pad_id = rm.tokenizer.pad_token_id if rm.tokenizer.pad_token_id is not None else 0
-    out: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
-    for lo in range(0, len(order), batch_size):
-        rows = order[lo:lo + batch_size]
-        ids, mask, positions, step_mask = batch_tensors([encoded[i] for i in rows], pad_id)
-        logits = step_logits(rm.model, ids.to(rm.device), mask.to(rm.device), positions.to(rm.device)).cpu()
-        values = logits if raw else torch.sigmoid(logits)
-        values = torch.where(step_mask, values, torch.nan)
-        for b, i in enumerate(rows):
-            out[i] = values[b, :len(steps[i])].clone()
-    return out
+class ProcessRewardModel:
+    """A process reward model (A9): the backbone and head of ``rm`` (a :class:`~tether.rm.model.RewardModel`,
+    as it is saved), read at every step's separator instead of the last token.
+
+    ``score_steps(prompts, responses)``: per response, (K,) P(step k is right), the logits with ``raw=True``;
+    ``score``: one score per response, the worst step's (Lightman et al. rank solutions so)."""
+
+    def __init__(self, rm):
+        self.rm = rm
+
+    @classmethod
+    def from_pretrained(cls, path, device=None, dtype=None) -> "ProcessRewardModel":
+        """Load a directory written by ``tether train-rm --process``; TetherError if it is not one."""
+        rm = load_reward_dir(path, device, dtype)
+        if rm.metadata.get("kind") != "process":
+            raise TetherError(f"{path}: an outcome reward model; scoring steps needs a process reward model "
+                              f"(trained with train-rm --process)")
+        return cls(rm)
+
+    model = property(lambda self: self.rm.model)
+    tokenizer = property(lambda self: self.rm.tokenizer)
+    text_format = property(lambda self: self.rm.text_format)
+    metadata = property(lambda self: self.rm.metadata)
+    device = property(lambda self: self.rm.device)
+
+    @property
+    def step_separator(self) -> str:
+        return self.rm.metadata.get("step_separator", "\n")
+
+    def save_pretrained(self, path, extra: dict | None = None) -> None:
+        self.rm.save_pretrained(path, extra)
+
+    def encode(self, prompts: Sequence[str], steps: Sequence[Sequence[str]], read_cut_first: bool = False
+               ) -> list[EncodedSteps]:
+        """:func:`encode_steps` of every row, in the model's text format."""
+        if len(prompts) != len(steps):
+            raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
+        fmt, sep = self.text_format, self.step_separator
+        return [encode_steps(self.tokenizer, p, s, sep, fmt.separator, fmt.max_length, read_cut_first)
+                for p, s in zip(prompts, steps)]
+
+    @torch.no_grad()
+    def read_out(self, encoded: Sequence[EncodedSteps], raw: bool = False, batch_size: int = 64
+                 ) -> list[torch.Tensor]:
+        """Per row, (K,) float32 on CPU: P(step k is right) = σ(z_k), or the logits z_k with ``raw``; NaN for a
+        step that was cut (position None). Batched by similar length; no gradients."""
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        out: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
+        for lo in range(0, len(order), batch_size):
+            rows = order[lo:lo + batch_size]
+            ids, mask, positions, step_mask = batch_tensors([encoded[i] for i in rows], pad_id)
+            logits = step_logits(self.model, ids.to(self.device), mask.to(self.device),
+                                 positions.to(self.device)).cpu()
+            values = torch.where(step_mask, logits if raw else torch.sigmoid(logits), torch.nan)
+            for b, i in enumerate(rows):
+                out[i] = values[b, :len(encoded[i].positions)].clone()
+        return out
+
+    def score_step_lists(self, prompts: Sequence[str], steps: Sequence[Sequence[str]], raw: bool = False,
+                         batch_size: int = 64) -> list[torch.Tensor]:
+        """Per row of given steps, (K,): P(step k is right), the logits with ``raw``; NaN for a step cut by
+        max_length (the evaluation's and training's rule: a cut step has no score)."""
+        return self.read_out(self.encode(prompts, steps), raw=raw, batch_size=batch_size)
+
+    def score_steps(self, prompts: Sequence[str], responses: Sequence[str], raw: bool = False,
+                    batch_size: int = 64) -> list[torch.Tensor]:
+        """:meth:`score_step_lists` of responses split at the step separator (``split_steps``)."""
+        _check_lists(prompts, responses)
+        steps = [split_steps(r, self.step_separator)[0] for r in responses]
+        return self.score_step_lists(prompts, steps, raw=raw, batch_size=batch_size)
+
+    def read_responses(self, prompts: Sequence[str], responses: Sequence[str], raw: bool = False,
+                       batch_size: int = 64) -> list[StepScores]:
+        """Scoring whole responses (``score``, PPO's reward source): per response its steps' values (as
+        :meth:`score_steps`), which steps were read and where each step ends in the response's text. A
+        too-long response is read on the steps that fit, its first step at the last token that fits when it
+        alone does not (``read_cut_first``), so at least one step is read, whatever the length."""
+        _check_lists(prompts, responses)
+        split = [split_steps(r, self.step_separator) for r in responses]
+        encoded = self.encode(prompts, [steps for steps, _ in split], read_cut_first=True)
+        values = self.read_out(encoded, raw=raw, batch_size=batch_size)
+        return [StepScores(v, torch.tensor([pos is not None for pos in e.positions], dtype=torch.bool), ends)
+                for v, e, (_, ends) in zip(values, encoded, split)]
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str], raw: bool = False,
+              batch_size: int = 64) -> torch.Tensor:
+        """(B,) float32: min over the steps read (:meth:`read_responses`) of P(step k is right), of the logits
+        with ``raw`` (min is monotone in σ)."""
+        return torch.tensor([s.values[s.read].min() if s.read.any() else torch.nan
+                             for s in self.read_responses(prompts, responses, raw, batch_size)], dtype=torch.float32)
 
 
-def score_responses_steps(rm, prompts: Sequence[str], responses: Sequence[str], raw: bool = False,
-                          batch_size: int = 64) -> list[torch.Tensor]:
-    """:func:`score_step_lists` of responses split at the PRM's step separator (``split_steps``)."""
+class StepScores(NamedTuple):
+    values: torch.Tensor  # (K,) P(step k is right), or its logit; NaN where not read
+    read: torch.Tensor  # (K,) bool: the step's read-out token fit in max_length
+    ends: list[int | None]  # character index of each step's last separator character (None: the text's end)
+
+
+def _check_lists(prompts, responses) -> None:
     if isinstance(prompts, str) or isinstance(responses, str):
         raise TypeError("score_steps() takes lists of prompts and responses, not a single string")
-    steps = [split_steps(r, rm.step_separator)[0] for r in responses]
-    return score_step_lists(rm, prompts, steps, raw=raw, batch_size=batch_size)
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
 
 
 def evaluate_steps(step_probs: Sequence[torch.Tensor], labels: Sequence[Sequence[int]],

@@ -140,16 +140,18 @@ def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
 def load_model(cfg: RewardTrainingConfig, model_path: Path, device: torch.device):
     """Step 2: backbone + one-output head (LoRA with the head fully trained when ``lora.r`` > 0), its
     tokenizer, the text format and the pooling. Returns ``(model, tokenizer, text_format, pooling)``."""
-    from tether.hf import disable_dropout, ensure_pad_token
-    from tether.rm.model import add_lora, check_pooling, choose_format, load_sequence_classifier, load_tokenizer
+    from tether.hf import apply_lora, disable_dropout, ensure_pad_token, load_tokenizer
+    from tether.rm.backbone import check_pooling, head_modules, load_sequence_classifier
+    from tether.rm.model import choose_format
 
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, need_pad=False, need_fast=True)
     lora = cfg.lora.r > 0
     model, head_is_new = load_sequence_classifier(
         model_path, dtype=DTYPES[cfg.dtype] if lora else torch.float32, new_head=True)
     ensure_pad_token(tokenizer, model)
     if lora:
-        model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
+                           task_type="SEQ_CLS", modules_to_save=head_modules(model))
     pooling = check_pooling(model, cfg.pooling)
     if cfg.disable_dropout:
         disable_dropout(model)
@@ -207,7 +209,7 @@ def pair_loss(model, chosen: list, rejected: list, cfg: RewardTrainingConfig, de
               pooling: str, length_w: float | None, autocast: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """BT loss of one batch of pairs (A2; plus the length regulariser or expert when configured); chosen
     and rejected share one forward pass. Returns ``(loss, margins (B,) detached)``."""
-    from tether.rm.model import pad_batch, pooled_scores
+    from tether.rm.backbone import pad_batch, pooled_scores
 
     n = len(chosen)
     ids, mask = pad_batch([e.ids for e in chosen + rejected], pad_id, "right")  # (2B, T)
@@ -260,7 +262,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     optimiser step (``step``, ``epoch``, ``rm/loss``, ``rm/accuracy``, ``rm/grad_norm``, ``rm/lr``)."""
     from tqdm.auto import tqdm
 
-    from tether.rm.model import pooling_of
+    from tether.rm.backbone import pooling_of
 
     pooling = pooling or pooling_of(model)
     opt_cfg = cfg.optim

@@ -9,8 +9,9 @@
    optimiser step to ``metrics.jsonl`` (``rm/loss``, ``rm/accuracy`` = step accuracy, ``rm/grad_norm``,
    ``rm/lr``);
 5. evaluate on the held-out rows: step accuracy with its Wilson interval, accuracy on good and bad steps,
-   first-error accuracy, within-prompt accuracy (all-good responses ranked over flawed ones to the same prompt) (:func:`tether.rm.process.evaluate_steps`);
-6. write DIR atomically, loadable by ``RewardModel.from_pretrained`` (``score_steps``), with
+   first-error accuracy, within-prompt accuracy (all-good responses ranked over flawed ones to the same
+   prompt) (:func:`tether.rm.process.evaluate_steps`);
+6. write DIR atomically, loadable by ``ProcessRewardModel.from_pretrained`` (``score_steps``), with
    ``"kind": "process"`` and the separator in ``tether_reward.json``.
 """
 
@@ -27,16 +28,16 @@ from tether.data import split_pairs
 from tether.errors import DataError
 from tether.hf import DTYPES
 from tether.rm.config import RewardTrainingConfig
-from tether.rm.process import (batch_tensors, encode_steps, evaluate_steps, format_step_evaluation,
-                               score_step_lists, step_logits)
+from tether.rm.process import (ProcessRewardModel, batch_tensors, encode_steps, evaluate_steps,
+                               format_step_evaluation, step_logits)
 from tether.rm.steps import StepExample, load_step_examples
 from tether.rm.train import (check_output_dir, load_model, optimisation, optimizer_step, pair_batches,
                              peak_rss_mb, save_reward_model)
 
 
 def train_process_reward_model(cfg: RewardTrainingConfig, examples: list[StepExample] | None = None):
-    """Run ``train-rm --process``; returns the trained :class:`~tether.rm.model.RewardModel` (a PRM, also saved
-    in ``cfg.output_dir``). ``examples`` replaces ``cfg.data.files`` (e.g. the step task's labelled samples)."""
+    """Run ``train-rm --process``; returns the trained :class:`~tether.rm.process.ProcessRewardModel` (also
+    saved in ``cfg.output_dir``). ``examples`` replaces ``cfg.data.files`` (e.g. the step task's labelled samples)."""
     from tether.presets import resolve_model_path
     from tether.rm.model import RewardModel
 
@@ -77,11 +78,11 @@ def train_process_reward_model(cfg: RewardTrainingConfig, examples: list[StepExa
     if cfg.lora.r > 0:
         model = model.merge_and_unload()
     model.to(DTYPES[cfg.dtype]).eval()
-    rm = RewardModel(model, tokenizer, text_format, pooling,
-                     metadata={"kind": "process", "step_separator": separator, "aggregation": "min"})
+    rm = ProcessRewardModel(RewardModel(model, tokenizer, text_format, pooling, metadata={
+        "kind": "process", "step_separator": separator, "aggregation": "min"}))
     # 5. evaluate
-    probs = score_step_lists(rm, [e.prompt for e in held_out], [e.steps for e in held_out],
-                             batch_size=cfg.eval_batch_size)
+    probs = rm.score_step_lists([e.prompt for e in held_out], [e.steps for e in held_out],
+                                batch_size=cfg.eval_batch_size)
     evaluation = evaluate_steps(probs, [e.labels for e in held_out], [e.prompt for e in held_out])
     print(format_step_evaluation(evaluation))
     # 6. save

@@ -1,0 +1,83 @@
+"""``accelerate launch`` for the multi-process tests, as a user would run it, with N CPU processes (gloo).
+
+Each launch rendezvouses on its own free port (a fixed one, accelerate's default 29500, is shared by every
+launch on the machine: two overlapping launches, from parallel tests or another job, meet in one store).
+Every process's stdout and stderr also go to its own file (torchrun's ``--log_dir``/``--tee``), so a failure
+shows each process's whole stderr, not the last characters of the launcher's interleaved output. A launch
+that outlives ``timeout`` is stopped with its processes (SIGTERM to the launcher, which stops its workers),
+so no process is left behind to load the next test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "accelerate"
+
+
+def free_port() -> int:
+    """A TCP port no socket holds now (the OS picks it for a bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchFailed(AssertionError):
+    pass
+
+
+def accelerate_launch(target: list[str], log_dir: Path | None = None, *, config: str | None = None,
+                      processes: int = 2, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``accelerate launch ... TARGET`` (``-m tether ppo ...`` or a script and its arguments) from the repo
+    root with ``processes`` CPU processes: ``config`` names a file in examples/accelerate (else plain DDP).
+    Raises :class:`LaunchFailed` with every process's own stderr when the launch exits non-zero or times out.
+    The processes' logs go under ``log_dir`` (default: a temporary directory, removed after a success)."""
+    if log_dir is None:
+        logs = Path(tempfile.mkdtemp(prefix="tether-launch-"))
+        done = accelerate_launch(target, logs, config=config, processes=processes, timeout=timeout, env=env)
+        shutil.rmtree(logs, ignore_errors=True)
+        return done
+    kind = ["--config_file", str(CONFIGS / config)] if config else \
+        ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *kind, "--num_processes", str(processes),
+           "--main_process_port", str(port), "--log_dir", str(log_dir), "--tee", "3", *target]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun's agent stops its workers, then exits
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise LaunchFailed(report(f"timed out after {timeout:.0f} s", port, log_dir, err)) from None
+    if proc.returncode != 0:
+        raise LaunchFailed(report(f"exited {proc.returncode}", port, log_dir, err))
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def report(what: str, port: int, log_dir: Path, launcher_err: str) -> str:
+    """The launcher's own lines (its summary names each failed process's exit code or signal), then each
+    process's whole stderr from its file."""
+    own = [line for line in launcher_err.splitlines() if not line.startswith("[default")]  # tee'd workers' lines
+    summary = max((i for i, line in enumerate(own) if "ChildFailedError:" in line), default=None)
+    if summary is not None:  # the launcher's own call stack down to the summary says nothing about the failure
+        start = max((i for i in range(summary) if own[i].startswith("Traceback")), default=summary)
+        own = own[:start] + own[summary:]
+    parts = [f"accelerate launch {what} (port {port}); launcher's own stderr:", *own]
+    for path in sorted(log_dir.glob("**/stderr.log"), key=lambda p: (p.parent.name, str(p))):
+        parts.append(f"----- process {path.parent.name} stderr ({path}) -----")
+        parts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return "\n".join(parts)

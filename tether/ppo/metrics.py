@@ -1,0 +1,119 @@
+"""The metrics of one PPO step (SPEC B12, C2, C6), reduced over all processes.
+
+Every mean is over the pooled elements of all processes — tokens for per-token quantities, kept rows for
+per-row ones — never a mean of per-process means: with uneven token counts (responses of different lengths
+on each process) those differ, and ``objective/kl`` is the KL controller's input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tether.core.stats import repetition_counts
+from tether.ppo.perf import PhaseTimer, padding_fraction, step_flops
+from tether.ppo.records import Rollout
+
+# The scoring phase's parts (C2); perf/seconds_score is their sum.
+SCORE_PHASES = ("logprobs_old", "reference", "values", "reward")
+
+
+def global_masked_mean(p, x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Σ_processes Σ x·m / Σ_processes Σ m: the mean of ``x`` over the valid elements of all processes
+    (``mask`` 0/1 or bool, broadcastable to ``x``); 0 when no element is valid. A masked element never enters
+    the sum, NaN or not."""
+    mask = mask.bool().expand_as(x)
+    total = p.global_sum(torch.where(mask, x.double(), 0.0).sum())
+    count = p.global_sum(mask.sum().double())
+    return total / count if count > 0 else 0.0
+
+
+def global_masked_var(p, x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Population variance of the valid elements of all processes: mean((x − μ)²) with μ the pooled mean
+    (two passes, so no cancellation of Σx² − nμ²)."""
+    mean = global_masked_mean(p, x, mask)
+    return global_masked_mean(p, (x.double() - mean) ** 2, mask)
+
+
+def global_explained_variance(p, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """EV = 1 − Var[R − V] / Var[R] over the valid tokens of all processes; 0 when Var[R] is 0."""
+    var_returns = global_masked_var(p, returns, mask)
+    if var_returns == 0.0:
+        return 0.0
+    return 1.0 - global_masked_var(p, returns - values, mask) / var_returns
+
+
+def objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean: float, beta: float) -> dict:
+    """Scores and KL over the kept rows and tokens of all processes (B12); ``kl_mean`` is the pooled per-token
+    KL (the controller's input) and ``beta`` the coefficient this step used."""
+    tokens = mask.bool()
+    return {"objective/scores": global_masked_mean(p, scores, valid),
+            "objective/scores_raw": global_masked_mean(p, scores_raw, valid),
+            "objective/rlhf_reward": global_masked_mean(p, rewards.sum(dim=1), valid),
+            "objective/kl": kl_mean,
+            "objective/kl_max": p.global_max(kl[tokens].max() if tokens.any() else kl.new_zeros(())),
+            # the health band's measure: a quantile is a property of the policy, the max grows with B·T
+            # (several processes: the largest of their quantiles)
+            "objective/kl_p99": p.global_max(kl[tokens].float().quantile(0.99) if tokens.any()
+                                             else kl.new_zeros(())),
+            "objective/kl_sequence": global_masked_mean(p, kl.sum(dim=1), valid),
+            "objective/kl_coef": beta}
+
+
+def value_metrics(p, values_old: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict:
+    return {"value/explained_variance": global_explained_variance(p, values_old, returns, mask),
+            "value/mean": global_masked_mean(p, values_old, mask),
+            "value/std": global_masked_var(p, values_old, mask) ** 0.5,
+            "value/returns_std": global_masked_var(p, returns, mask) ** 0.5}
+
+
+def response_metrics(p, rollout: Rollout) -> dict:
+    lengths = rollout.lengths.float()
+    every_row = torch.ones_like(lengths, dtype=torch.bool)
+    repeated, n_grams = repetition_counts(rollout.response, rollout.response_mask, n=3)  # pooled over all rows
+    return {"response/length_mean": global_masked_mean(p, lengths, every_row),
+            "response/length_min": p.global_min(lengths.min()),
+            "response/length_max": p.global_max(lengths.max()),
+            "response/truncated_fraction": global_masked_mean(p, (~rollout.ended_with_eos).float(), every_row),
+            "response/repetition": p.global_sum(repeated) / max(p.global_sum(n_grams), 1.0)}
+
+
+def sampler_gap_metrics(p, rollout: Rollout, logprobs_old: torch.Tensor, mask: torch.Tensor) -> dict:
+    """|log π_sampler(a_t) − log π_old(a_t)| over the response tokens, when the engine reports its own log-probs
+    (vLLM): how far the distribution the tokens came from is from the one PPO scores (C3). A few 1e-6 in fp32;
+    a large gap means the engine is not sampling the trained weights (a missed sync, a stale prefix cache, a
+    leaked sampling option)."""
+    if rollout.logprobs_sampler is None:
+        return {}
+    tokens = mask.bool()
+    gap = torch.where(tokens, (rollout.logprobs_sampler - logprobs_old).abs(), 0.0)
+    return {"rollout/logprob_gap_mean": global_masked_mean(p, gap, tokens),
+            "rollout/logprob_gap_max": p.global_max(gap.max())}
+
+
+def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:
+    """Seconds per phase (C2), their sum, tokens per second and the rollout share. Weight sync is 0.0 when
+    the sampler reads the trained weights directly (the transformers engine)."""
+    s = {phase: timer.seconds.get(phase, 0.0) for phase in ("generate", "weight_sync", *SCORE_PHASES, "train")}
+    seconds_score = sum(s[phase] for phase in SCORE_PHASES)
+    seconds_step = s["generate"] + s["weight_sync"] + seconds_score + s["train"]
+    return {**{f"perf/seconds_{phase}": v for phase, v in s.items()},
+            "perf/seconds_score": seconds_score, "perf/seconds_step": seconds_step,
+            "perf/tokens_per_second": n_tokens / max(seconds_step, 1e-9),
+            "perf/rollout_share": s["generate"] / max(seconds_step, 1e-9)}
+
+
+def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run: int, critic_only: bool) -> dict:
+    """Model FLOPs per second over the device's peak (C6): for the step, generation and training (per device:
+    all processes' FLOPs over world size), and the share of computed positions that are padding."""
+    flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only)
+    per_device = {phase: p.global_sum(f) / p.world_size for phase, f in flops.items()}
+    seconds = {phase: timer.seconds.get(phase, 0.0) for phase in flops}
+
+    def mfu(total: float, secs: float) -> float:
+        return total / (max(secs, 1e-9) * perf.peak)
+
+    return {"perf/mfu": mfu(sum(per_device.values()), sum(timer.seconds.values())),  # over the whole step
+            "perf/mfu_generate": mfu(per_device["generate"], seconds["generate"]),
+            "perf/mfu_train": mfu(per_device["train"], seconds["train"]),
+            "perf/tflops_step": sum(per_device.values()) / 1e12,
+            "perf/padding_fraction": p.global_mean(padding_fraction(rollout.query_mask, rollout.response_mask))}

@@ -1,0 +1,161 @@
+"""Steps 8–9 of a PPO step: epochs of shuffled minibatch updates on the frozen experience, with the KL early
+stop (SPEC B9, B6, B10, B16). :func:`ppo_epochs` is called once per step by :func:`tether.ppo.step.ppo_step`.
+
+Per minibatch: zero the gradients, forward and backward each micro-batch (gradient accumulation, weighted by its
+share of the minibatch's tokens over all processes), check the losses are finite on every process, unscale,
+clip each model's gradient norm, step the optimisers and schedulers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tether.core.advantages import masked_mean
+from tether.core.losses import ppo_policy_loss, ppo_value_loss
+from tether.ppo.records import Experience
+from tether.ppo.rollout import critic_values, forward_response
+from tether.ppo.sharding import grad_norm_value
+
+
+def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
+    """ppo.epochs × shuffled minibatches of clipped policy and value updates (B9, B6), with gradient
+    accumulation, per-model grad-norm clipping, critic warm-up and the KL early stop (B10): after an epoch
+    whose mean approx KL to π_old exceeds ``ppo.early_stop_factor × ppo.target_kl``, no further epoch runs.
+    Returns the mean stats of the applied updates and the number of epochs run."""
+    p = run.processes
+    critic_only = step <= cfg.critic.warmup_steps
+    sums: dict[str, float] = {}
+    applied = skipped = 0
+    ratio_max = 0.0
+    epochs_run = 0
+    # A per-step generator makes the minibatch order independent of everything else (exact resume).
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    for _ in range(cfg.ppo.epochs):
+        order = torch.randperm(len(experience), generator=g).to(p.device)
+        epoch_kl = []
+        for start in range(0, len(experience), cfg.minibatch_size):
+            stats = minibatch_update(run, cfg, experience.select(order[start:start + cfg.minibatch_size]),
+                                     critic_only)
+            if stats is None:  # non-finite loss or gradient norm: no update, its stats left out of the means
+                skipped += 1
+                continue
+            ratio_max = max(ratio_max, stats.pop("ratio_max", 0.0))
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            applied += 1
+            epoch_kl.append(stats.get("policy/approx_kl", 0.0))
+        epochs_run += 1
+        approx_kl = p.global_mean(torch.tensor(sum(epoch_kl) / max(len(epoch_kl), 1)))
+        if early_stop_due(cfg, approx_kl, critic_only):
+            break
+    out = {k: p.global_mean(torch.tensor(v / applied)) for k, v in sums.items()}
+    out.update({"health/skipped_updates": skipped, "ppo/updates": applied})
+    if not critic_only:
+        out["policy/ratio_max"] = p.global_max(torch.tensor(ratio_max))
+    return out, epochs_run
+
+
+def early_stop_due(cfg, approx_kl: float, critic_only: bool) -> bool:
+    """B10: stop the epoch loop once the epoch's approx KL to π_old passes ``early_stop_factor × target_kl``
+    (its own key: the KL controller's ``kl.target`` is a KL to the reference, another quantity)."""
+    return bool(cfg.ppo.early_stop and not critic_only and approx_kl > cfg.ppo.early_stop_factor * cfg.ppo.target_kl)
+
+
+def minibatch_update(run, cfg, minibatch: Experience, critic_only: bool) -> dict | None:
+    """One optimizer update on ``minibatch``: its micro-batches' weighted losses backward, then clip and step.
+    Returns the token-weighted stats of the update, or None when it was skipped (B16)."""
+    p, m = run.processes, run.models
+    if cfg.ppo.trim_padding:  # micro-batches of similar lengths: less padding left after trimming
+        total = minibatch.rollout.query_mask.sum(dim=1) + minibatch.rollout.lengths
+        minibatch = minibatch.select(torch.argsort(total, stable=True))
+    # The losses are token means over the minibatch of *all* processes. DDP averages gradients over
+    # processes, so a micro-batch weighs (its tokens × world size / all processes' tokens): processes
+    # holding more tokens weigh more, exactly as one process with the whole minibatch would.
+    n_tokens = max(p.global_sum(minibatch.response_mask.sum()), 1.0) / p.world_size
+    run.optim.policy_optimizer.zero_grad(set_to_none=True)
+    run.optim.critic_optimizer.zero_grad(set_to_none=True)
+    micro = cfg.minibatch_size // cfg.ppo.grad_accumulation
+    stats: dict[str, float] = {}
+    ratio_max = 0.0
+    for m0 in range(0, len(minibatch), micro):
+        mb = minibatch.select(torch.arange(m0, m0 + micro, device=p.device))
+        mb = mb.trimmed() if cfg.ppo.trim_padding else mb
+        weight = mb.response_mask.sum() / n_tokens
+        with p.no_sync([m.policy_model, m.critic], last=m0 + micro >= len(minibatch)):
+            mb_stats = minibatch_loss(run, cfg, mb, critic_only, weight)
+        ratio_max = max(ratio_max, mb_stats.pop("ratio_max", 0.0))
+        for k, v in mb_stats.items():
+            stats[k] = stats.get(k, 0.0) + v * weight.item()
+    # B16: a NaN loss can still give finite (zero) gradients (clamp passes none through NaN), and
+    # Adam would then move the weights on its momentum alone: every process checks its losses.
+    finite = float(all(map(math.isfinite, stats.values())))
+    if p.global_sum(torch.tensor(finite)) != p.world_size:
+        return None
+    step_stats = clip_and_step(run.optim, cfg, critic_only)
+    if step_stats is None:
+        return None
+    return {**stats, **step_stats, "ratio_max": ratio_max}
+
+
+def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Tensor) -> dict:
+    """Forward one micro-batch, backward ``weight ×`` (−L_CLIP + c1·L_VF − c2·H) (times the fp16 loss scale);
+    returns its stats. The entropy's graph is built only when c2 > 0: over a large vocabulary its softmax is
+    the biggest tensor saved for backward."""
+    m = run.models
+    mask = mb.response_mask.float()
+    entropy_coef = cfg.ppo.entropy_coef
+    with m.precision.autocast():  # the forwards only: log-probs, values and the losses are fp32
+        with (torch.no_grad() if critic_only else torch.enable_grad()):
+            logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
+                                                         need_hidden=m.critic_is_head,
+                                                         entropy_grad=entropy_coef > 0)
+        values = critic_values(m.critic, mb.rollout, hidden)[:, :-1]  # (B, T)
+    clip_v = cfg.ppo.clip_range_value or None
+    value_loss, value_stats = ppo_value_loss(values, mb.values_old, mb.returns, mask, clip_v)
+    loss = cfg.ppo.vf_coef * value_loss
+    stats = {"value/loss": value_loss.item(), "value/clip_fraction": value_stats["clip_fraction"].item()}
+    if not critic_only:
+        policy_loss, policy_stats = ppo_policy_loss(logprobs, mb.logprobs_old, mb.advantages, mask,
+                                                    cfg.ppo.clip_range)
+        loss = loss + policy_loss
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * masked_mean(entropy, mask)
+        stats.update({"policy/loss": policy_loss.item(),
+                      "policy/clip_fraction": policy_stats["clip_fraction"].item(),
+                      "policy/approx_kl": policy_stats["approx_kl"].item(),
+                      "policy/ratio_mean": policy_stats["ratio_mean"].item(),
+                      "policy/ratio_std": policy_stats["ratio_std"].item(),
+                      "ratio_max": policy_stats["ratio_max"].item()})
+    run.processes.backward(run.optim.scaler.scale(loss * weight))
+    return stats
+
+
+def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:
+    """Unscale (fp16), clip each model's gradient norm, step optimisers and schedulers; returns norms and the
+    learning rates this update used, or None when a gradient norm is NaN/Inf (B16): then nothing steps, so no
+    NaN reaches the weights or Adam's moments, and the fp16 loss scale halves (an overflow of the scaled loss's
+    gradients is the expected way to find the largest scale that fits). The norms are of the synchronised
+    gradients (under FSDP2 over all processes' shards), so every process makes the same choice.
+    ``optim``: :class:`~tether.ppo.setup.Optimisation`."""
+    max_norm = cfg.optim.max_grad_norm or float("inf")
+    scaler, out = optim.scaler, {}
+    if not critic_only:
+        scaler.unscale_(optim.policy_optimizer)  # the norm and its clip are of the true gradients
+        out["policy/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
+    scaler.unscale_(optim.critic_optimizer)
+    out["value/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
+    if not all(math.isfinite(v) for v in out.values()):
+        scaler.update()  # fp16: saw inf, so S /= 2; nothing stepped (the next minibatch zeroes the gradients)
+        return None
+    if not critic_only:
+        # The LR this update applies, read before the scheduler moves on to the next one's.
+        out["policy/lr"] = optim.policy_optimizer.param_groups[0]["lr"]
+        scaler.step(optim.policy_optimizer)  # finite gradients: a plain optimizer.step()
+        optim.policy_scheduler.step()
+    out["value/lr"] = optim.critic_optimizer.param_groups[0]["lr"]
+    scaler.step(optim.critic_optimizer)
+    scaler.update()
+    optim.critic_scheduler.step()
+    return out
