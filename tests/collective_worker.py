@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tether.ppo.config import RunConfig
-from tether.ppo.setup import make_processes
+from tether.ppo.processes import make_processes
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ def main(policy: str, prompts: str, out: str) -> None:
     every = run.processes.gather_objects(mine)
     if run.processes.is_main:
         Path(out).write_text(json.dumps(every, indent=1), encoding="utf-8")
-    run.processes.close()  # leave the process group before exit (tether.ppo.setup.Processes.close)
+    run.processes.close()  # leave the process group before exit (tether.ppo.processes.Processes.close)
 
 
 if __name__ == "__main__":

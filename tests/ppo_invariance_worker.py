@@ -69,7 +69,7 @@ def main(policy: str, prompts: str, out: str, grad_accumulation: str, trim: str 
     step_module.ppo_epochs(run, cfg, mine, step=1)
     if rank == 0:
         torch.save({"grads": grads, "lengths": lengths}, out)
-    run.processes.close()  # leave the process group before exit (tether.ppo.setup.Processes.close)
+    run.processes.close()  # leave the process group before exit (tether.ppo.processes.Processes.close)
 
 
 if __name__ == "__main__":

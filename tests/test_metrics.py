@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tether.ppo.metrics import objective_metrics, value_metrics
-from tether.ppo.setup import Processes
+from tether.ppo.processes import Processes
 
 
 def shard(rank: int) -> dict:

@@ -227,7 +227,7 @@ def test_accelerate_mixed_precision_note_only_when_it_differs(files, tmp_path, m
                                                              fresh_accelerate_state, setting, dtype, says):
     """fp16 from accelerate is ignored too (its GradScaler never wraps tether's backward); a setting that agrees
     with --model-dtype, or "no", says nothing."""
-    from tether.ppo.setup import make_processes
+    from tether.ppo.processes import make_processes
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", setting)
     cfg = tiny_config(tmp_path, *files, model__dtype=dtype)

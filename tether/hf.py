@@ -156,3 +156,12 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules: str 
     except ValueError as e:
         raise TetherError(f"LoRA: {str(e).splitlines()[0]} (set {key})") from None
     return upcast_trainable(model)
+
+
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside the wrappers a run puts around it: DDP's ``.module`` and peft's
+    ``get_base_model()`` (LoRA layers stay injected and active). Where ``generate``, ``config`` and
+    ``generation_config`` live."""
+    model = getattr(model, "module", model)
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.errors import ConfigError
-from tether.hf import DTYPES, context_positions
+from tether.hf import DTYPES, context_positions, transformers_model
 from tether.ppo.records import Rollout
 from tether.ppo.rollout import generate
 
@@ -67,7 +67,7 @@ def make_engine(cfg, model, tokenizer, world_size: int = 1) -> Engine:
                               "use --engine transformers for multi-process runs (docs/sampling.md)")
         from tether.ppo.vllm_engine import VLLMEngine
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = transformers_model(model)
         max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
         max_model_len = min(max_model_len, context_positions(base.config) or max_model_len)
         return VLLMEngine(model, tokenizer, max_model_len, rows=cfg.batch_size, seed=cfg.seed,

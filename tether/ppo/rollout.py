@@ -17,6 +17,7 @@ import torch
 
 from tether.core.stats import entropy_from_logits, logprobs_from_logits
 from tether.data import transcript_messages
+from tether.hf import transformers_model
 from tether.ppo.models import ValueHead
 from tether.ppo.records import Rollout
 
@@ -114,7 +115,7 @@ def checkpoint_defaults_off(model):
     goes on the innermost transformers model, which is where ``generate`` reads it (PEFT copies it there)."""
     from transformers import GenerationConfig
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     saved = base.generation_config
     base.generation_config = GenerationConfig()
     try:
@@ -158,9 +159,7 @@ def sequence_inputs(query, query_mask, response, response_mask):
 
 
 def _accepts_logits_to_keep(model) -> bool:
-    base = getattr(model, "module", model)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return "logits_to_keep" in inspect.signature(transformers_model(model).forward).parameters
 
 
 def forward_response(model, batch: Rollout, temperature: float, need_hidden: bool = False,

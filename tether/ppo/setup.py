@@ -2,8 +2,8 @@
 
 :func:`setup` returns a :class:`Run` of four typed parts, each built by one small function:
 
-- :class:`Processes` — the accelerator, this process's rank, the cross-process reductions the step's
-  metrics need, and the one place that decides what only the main process does (``is_main``);
+- :class:`~tether.ppo.processes.Processes` — the accelerator, this process's rank, the cross-process
+  reductions (:mod:`tether.ppo.processes`);
 - :class:`Models` — tokenizer, policy (and its reference), critic, and the precision they compute in (C5);
 - :class:`Optimisation` — optimisers, schedulers, the parameters they own, the fp16 loss scaler, the KL
   controller;
@@ -14,10 +14,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -38,101 +35,14 @@ from tether.ppo.models import (
     same_vocabulary,
 )
 from tether.ppo.perf import Throughput, throughput_of
+from tether.ppo.processes import Processes, make_processes
 from tether.ppo.prompts import PromptStream, load_prompts
 from tether.ppo.rollout import encode_prompts
-from tether.ppo.sharding import FsdpSettings, fsdp_settings, set_gradient_sync, shard
+from tether.ppo.sharding import FsdpSettings, shard
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-
-@dataclass
-class Processes:
-    """This process among the run's processes. Metrics are reduced over all of them; files, trackers
-    and console lines come from the main process only (see :class:`tether.ppo.train.RunLog`)."""
-
-    accelerator: Accelerator
-    device: torch.device
-    world_size: int
-    rank: int
-    fsdp: FsdpSettings | None = None  # the launch config asked for FSDP2 (tether.ppo.sharding)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def _reduce(self, x, op) -> float:
-        t = torch.as_tensor(x, dtype=torch.float64, device=self.device).detach().clone()
-        if self.world_size > 1:
-            torch.distributed.all_reduce(t, op=op)
-        return float(t)
-
-    def global_mean(self, x) -> float:
-        return self._reduce(x, torch.distributed.ReduceOp.SUM if self.world_size > 1 else None) / self.world_size
-
-    def global_sum(self, x) -> float:
-        return self._reduce(x, torch.distributed.ReduceOp.SUM if self.world_size > 1 else None)
-
-    def global_max(self, x) -> float:
-        return self._reduce(x, torch.distributed.ReduceOp.MAX if self.world_size > 1 else None)
-
-    def global_min(self, x) -> float:
-        return self._reduce(x, torch.distributed.ReduceOp.MIN if self.world_size > 1 else None)
-
-    def broadcast(self, obj):
-        """``obj`` as the main process has it, on every process: a decision (stop, roll back to which
-        checkpoint) is made once, so no process waits in a collective another one has left."""
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather_objects(self, obj) -> list:
-        """Every process's ``obj``, in rank order, on every process."""
-        if self.world_size == 1:
-            return [obj]
-        out = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, ...) on each process -> (world_size·B, ...) in rank order, on every process."""
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
-
-    @contextlib.contextmanager
-    def no_sync(self, models: list[nn.Module], last: bool):
-        """Skip DDP's gradient all-reduce (FSDP2's reduce-scatter) on every micro-batch but the last of a
-        minibatch."""
-        if self.fsdp is not None:
-            set_gradient_sync(models, last or self.world_size == 1)
-            yield
-            return
-        with contextlib.ExitStack() as stack:
-            if not last and self.world_size > 1:
-                for model in models:
-                    stack.enter_context(self.accelerator.no_sync(model))
-            yield
-
-    def wait(self) -> None:
-        self.accelerator.wait_for_everyone()
-
-    def close(self) -> None:
-        """The run's last collective: every process waits for the others, then leaves the process group. A
-        process that exits still in the group leaves it to interpreter shutdown, where gloo's worker threads
-        can still hold tensors of the last collectives (pytorch/pytorch#179291: SIGABRT at exit)."""
-        self.wait()
-        if self.world_size > 1:
-            self.accelerator.state.destroy_process_group()
 
 
 @dataclass
@@ -234,49 +144,6 @@ def default_critic_backbone(cfg, tokenizer, policy_path: Path) -> Path:
             except (OSError, ValueError):
                 pass
     return policy_path
-
-
-def make_processes(cfg) -> Processes:
-    """The accelerator (DDP across processes, or FSDP2 when the launch config asks for it; trackers from
-    ``--log-with``, logging under the run directory). On CPU the accelerator runs gloo processes (it would
-    wrap in DDP whatever the config says): the FSDP settings are read here and applied by :func:`setup`.
-
-    accelerate's mixed precision is ignored on purpose (``mixed_precision="no"``; tether owns precision through
-    ``--model-dtype``, C5): it would autocast what ``prepare`` wraps but not the frozen reference (step-1 KL ≠ 0),
-    and its fp16 GradScaler would scale the gradients tether clips. Its config file reaches a run only as the
-    ``ACCELERATE_MIXED_PRECISION`` that ``accelerate launch`` exports; the explicit argument overrides that."""
-    from datetime import timedelta
-
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
-    from tether.ppo.runlog import check_trackers, tracker_names
-
-    trackers = tracker_names(cfg)
-    check_trackers(trackers)
-    # The collective timeout: the others wait while process 0 alone writes a checkpoint or the final policy, on
-    # a big model or a busy machine longer than torch's default (NCCL 10 min: its watchdog then aborts them).
-    # (accelerate passes only a value other than its own default, 10 min; at exactly 10, gloo keeps its 30.)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None,
-                              project_dir=cfg.output_dir, mixed_precision="no",
-                              kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
-                                               InitProcessGroupKwargs(
-                                                   timeout=timedelta(minutes=cfg.collective_timeout_minutes))])
-    note = ignored_mixed_precision_note(os.environ.get("ACCELERATE_MIXED_PRECISION", ""), cfg.model.dtype)
-    if note and accelerator.is_main_process:
-        print(note, file=sys.stderr)
-    return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index,
-                     fsdp=fsdp_settings())
-
-
-def ignored_mixed_precision_note(setting: str, model_dtype: str) -> str:
-    """The one line saying accelerate's mixed-precision ``setting`` is ignored, or "" when it asks for nothing
-    ("no", unset) or for what ``--model-dtype`` already is."""
-    setting = setting.strip().lower()
-    if setting in ("", "no") or setting == model_dtype:
-        return ""
-    return (f"note: ACCELERATE_MIXED_PRECISION={setting} (accelerate config / --mixed_precision) is ignored: this "
-            f"run computes in --model-dtype {model_dtype}; --model-dtype bf16 is tether's mixed precision")
 
 
 def chat_template_on(cfg, tokenizer) -> bool:

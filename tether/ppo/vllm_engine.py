@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from tether.errors import ConfigError, TetherError
+from tether.hf import transformers_model
 from tether.ppo.records import Rollout
 from tether.ppo.rollout import eos_ids, response_mask_after_eos
 
@@ -102,7 +103,7 @@ class VLLMEngine:
             from vllm import LLM
         except ImportError as e:
             raise ConfigError(f"--engine vllm: vLLM is not installed ({e}); {INSTALL}") from None
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = transformers_model(model)
         config = base.config
         _, _, head_dim = attention_shape(config)
         device = next(base.parameters()).device

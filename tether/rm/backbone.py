@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from tether.errors import TetherError
-from tether.hf import load_errors, quiet_transformers
+from tether.hf import load_errors, quiet_transformers, transformers_model
 
 HEAD_NAMES = ("score", "classifier", "pre_classifier")  # randomly initialised heads of HF seq-cls models
 
@@ -43,7 +43,7 @@ POOLINGS = ("last_token", "mean", "model")
 def pooling_of(model) -> str:
     """``"last_token"`` for models with a linear ``score`` head on a decoder (GPT-2, Llama, Qwen, …),
     ``"model"`` (the model's own logits, e.g. BERT's [CLS] pooler + classifier) otherwise."""
-    head = getattr(unwrap(model), "score", None)
+    head = getattr(transformers_model(model), "score", None)
     head = getattr(head, "original_module", head)  # peft's modules_to_save wrapper keeps the original
     return "last_token" if isinstance(head, torch.nn.Linear) else "model"
 
@@ -51,7 +51,7 @@ def pooling_of(model) -> str:
 def linear_head(model):
     """The one-output linear head that ``last_token``/``mean`` pooling feed: ``score`` (decoders) or
     ``classifier`` (BERT-like encoders); None when the model has neither as a plain linear layer."""
-    hf = unwrap(model)
+    hf = transformers_model(model)
     for name in ("score", "classifier"):
         head = getattr(hf, name, None)
         if isinstance(getattr(head, "original_module", head), torch.nn.Linear):
@@ -67,14 +67,8 @@ def check_pooling(model, pooling: str) -> str:
         raise TetherError(f"pooling must be auto or one of {', '.join(POOLINGS)}, got {pooling!r}")
     if pooling != "model" and linear_head(model) is None:
         raise TetherError(f"pooling '{pooling}' needs a linear 'score' or 'classifier' head; "
-                          f"{type(unwrap(model)).__name__} has neither (use pooling 'model')")
+                          f"{type(transformers_model(model)).__name__} has neither (use pooling 'model')")
     return pooling
-
-
-def unwrap(model):
-    """The Hugging Face model inside a peft wrapper (LoRA layers stay injected and active)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _accepts(module, name: str) -> bool:
@@ -84,7 +78,7 @@ def _accepts(module, name: str) -> bool:
 def last_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T, H) last hidden states of the backbone without its head; position ids count real tokens only
     (cumsum of the mask) so left padding does not shift positions."""
-    body = unwrap(model).base_model  # GPT2Model, LlamaModel, …: the backbone without the head
+    body = transformers_model(model).base_model  # GPT2Model, LlamaModel, …: the backbone without the head
     kwargs = {}
     if _accepts(body, "position_ids"):
         kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
