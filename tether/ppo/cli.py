@@ -1,4 +1,5 @@
-"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :func:`tether.ppo.train.train`."""
+"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :class:`tether.ppo.train.PPOTrainer`
+(the Python API's code path)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tether.ppo.train import train
+    from tether.ppo.train import PPOTrainer
 
     cfg = resolve_config(RunConfig, args, args.config)
     if args.dry_run:
@@ -26,7 +27,8 @@ def run(args) -> int:
 
         print(dry_run(cfg))
         return 0
-    run_dir = train(cfg, resume=args.resume)
+    result = PPOTrainer(cfg, resume=args.resume).train()
     if os.environ.get("RANK", "0") == "0":  # one line, not one per process
-        print(f"tether ppo: run written to {run_dir}")
+        stopped = f" (stopped: {result.stopped})" if result.stopped else ""
+        print(f"tether ppo: run written to {result.run_dir}{stopped}")
     return 0
