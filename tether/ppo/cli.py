@@ -1,5 +1,5 @@
-"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :class:`tether.ppo.train.PPOTrainer`
-(the Python API's code path)."""
+"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :func:`tether.ppo.train.train`
+(:class:`~tether.ppo.train.PPOTrainer`, the Python API's code path)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tether.ppo.train import PPOTrainer
+    from tether.ppo.train import train
 
     cfg = resolve_config(RunConfig, args, args.config)
     if args.dry_run:
@@ -27,8 +27,7 @@ def run(args) -> int:
 
         print(dry_run(cfg))
         return 0
-    result = PPOTrainer(cfg, resume=args.resume).train()
+    run_dir = train(cfg, resume=args.resume)  # PPOTrainer(cfg, resume=...).train(), as from Python
     if os.environ.get("RANK", "0") == "0":  # one line, not one per process
-        stopped = f" (stopped: {result.stopped})" if result.stopped else ""
-        print(f"tether ppo: run written to {result.run_dir}{stopped}")
+        print(f"tether ppo: run written to {run_dir}")
     return 0
