@@ -4,6 +4,7 @@ metrics and stop the run, and a stopped run that resumes to the straight run's n
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +248,16 @@ def test_runconfig_is_exported_and_import_stays_light():
     code = "import sys, tether; tether.Callback; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False" and tether.RunConfig is RunConfig
+
+
+@pytest.mark.slow
+def test_under_two_processes_the_main_process_callback_stops_every_process(files, tmp_path):
+    from launcher import accelerate_launch
+
+    accelerate_launch([str(Path(__file__).parent / "trainer_worker.py"), *map(str, files), str(tmp_path)],
+                      tmp_path / "logs", timeout=900)
+    run = tmp_path / "run"
+    assert [r["step"] for r in rows(run)] == [1, 2] and rows(run)[0]["custom/rank_seen"] == 0.0
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
+    assert json.loads((run / "ranks.json").read_text())["in_sync"] is True
+    assert (run / "policy" / "model.safetensors").is_file()
