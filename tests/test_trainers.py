@@ -154,6 +154,18 @@ def test_reward_model_objects_join_the_ensemble_and_bad_rewards_are_one_line(fil
     expected = (from_dir + in_memory.score(prompts, responses)) / 2
     assert not torch.allclose(from_dir, expected)
     assert torch.allclose(sources[0](prompts, responses, {}), expected)
+    # A process reward model object is a source of its own, read as its directory would be.
+    from test_process_reward import _random_prm
+
+    from tether.ppo.sources import ProcessRewardSource
+
+    prm_dir = _random_prm(tmp_path)[0]
+    prm = tether.ProcessRewardModel.from_pretrained(prm_dir, device="cpu")
+    given, loaded = build_sources(["python:prm"], given={"python:prm": prm}, process="min")[0], \
+        build_sources([str(prm_dir)], device="cpu", process="min")[0]
+    assert isinstance(given, ProcessRewardSource) and given.prm is prm
+    steps = ["12 34 5", "1 x"]
+    assert torch.equal(given(prompts, steps, {}), loaded(prompts, steps, {}))
     cfg = tiny_config(tmp_path, *files)
     with pytest.raises(TetherError, match=r"--reward python:int: a int is not a reward"):
         tether.PPOTrainer(cfg, reward={"int": 3})
