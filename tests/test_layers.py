@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tether"
-SHARED = {"cli", "config", "data", "presets", "checkpoint", "errors", "rules", "hf"}
+SHARED = {"cli", "config", "data", "presets", "checkpoint", "errors", "rules", "hf", "callbacks", "conversations"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
 RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "ppo": 3, "demo": 4, "top": 5}
 

@@ -1,5 +1,5 @@
-"""The README's two fresh-machine commands stay true: CI runs exactly the test command, and every
-`tether` subcommand the README names exists."""
+"""The README stays true: CI runs exactly the fresh-machine test command, every `tether` subcommand the README
+names exists, and the "From Python" script runs (at tiny size)."""
 
 import re
 from pathlib import Path
@@ -31,3 +31,47 @@ def test_readme_names_only_real_subcommands():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     for name in set(re.findall(r"`tether ([a-z-]+)", text)):
         assert name in COMMANDS, name
+
+
+def from_python_script() -> str:
+    """The README's "From Python" script, verbatim."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## From Python\n"):]
+    return re.search(r"```python\n(.*?)\n```", section, re.S).group(1)
+
+
+def test_the_from_python_script_runs_at_tiny_size(tmp_path):
+    """The script as the README prints it, with only its five settings pointed at a tiny chat model (built from a
+    config, nothing downloaded), conversational pairs and message prompts written here, and 2 PPO steps."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiny import make_llama_chat_dir
+
+    letters = "abcdefghij"
+    pairs = [{"chosen": [{"role": "user", "content": f"say {c}"}, {"role": "assistant", "content": c * 3}],
+              "rejected": [{"role": "user", "content": f"say {c}"}, {"role": "assistant", "content": "no"}]}
+             for c in letters * 3]
+    prompts = [{"prompt": [{"role": "user", "content": f"say {a}{b}"}], "letter": a} for a in letters for b in "xyz"]
+    settings = {"POLICY": str(make_llama_chat_dir(tmp_path)), "PAIRS": str(tmp_path / "pairs.jsonl"),
+                "PROMPTS": str(tmp_path / "prompts.jsonl"), "OUT": str(tmp_path / "runs"), "STEPS": 2}
+    for name, rows in (("PAIRS", pairs), ("PROMPTS", prompts)):
+        Path(settings[name]).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    script = from_python_script()
+    for name, value in settings.items():
+        script, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", script, count=1, flags=re.M)
+        assert n == 1, f"the README script no longer sets {name}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reward model: " in done.stdout and "step 1: score " in done.stdout and "eval/reward" in done.stdout
+    run = tmp_path / "runs" / "ppo"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("custom/minutes" in r for r in rows[1:])
+    config = (run / "config.yaml").read_text()
+    assert "python:finished_briefly" in config and "python:prompts (30 rows" in config
+    assert (run / "policy" / "model.safetensors").is_file() and (tmp_path / "runs" / "rm" / "eval.json").is_file()

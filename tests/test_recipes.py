@@ -140,10 +140,10 @@ def test_dev_split_trains_and_evaluates_on_the_train_side_only(tmp_path, monkeyp
         seen["evaluated"] = list(evaluated)
         return real_evaluate(scorer, evaluated, batch_size)
 
-    def spy_loop(model, encoded, cfg, device, pad_id, pooling=None, length_w=None):
+    def spy_loop(model, encoded, cfg, device, pad_id, pooling=None, length_w=None, progress=None):
         seen["n_train"] = len(encoded)
         seen["dropout"] = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-        return real_loop(model, encoded, cfg, device, pad_id, pooling, length_w)
+        return real_loop(model, encoded, cfg, device, pad_id, pooling, length_w, progress)
 
     monkeypatch.setattr(rt, "evaluate_pairs", spy_evaluate)
     monkeypatch.setattr(rt, "train_loop", spy_loop)

@@ -193,7 +193,7 @@ def test_k_skipped_steps_stop_the_run_and_keep_the_last_checkpoint(files, tmp_pa
 
 def test_a_nan_weight_is_never_written(files, tmp_path):
     from tether.ppo.setup import setup
-    from tether.ppo.train import export_policy
+    from tether.ppo.export import export_policy
 
     cfg = tiny_config(tmp_path, *files)
     run = setup(cfg)
@@ -312,8 +312,8 @@ def test_a_row_with_a_nan_logit_is_dropped_and_every_update_still_applies(files,
 
     real_setup = setup_module.setup
 
-    def setup_with_a_nan_logit(cfg):
-        run = real_setup(cfg)
+    def setup_with_a_nan_logit(cfg, *given):
+        run = real_setup(cfg, *given)
 
         def nan_logit(module, args, kwargs, output):
             if kwargs.get("use_cache") is False:  # the scoring and training forwards, not generation
@@ -397,7 +397,7 @@ def test_a_run_saved_before_ppo_target_kl_resumes_only_with_its_early_stop(files
     import yaml
 
     from tether.config import config_to_dict, save_config
-    from tether.ppo.train import check_same_config
+    from tether.ppo.resume import check_same_config
 
     cfg = tiny_config(tmp_path, *files, kl__target=0.05)
     (tmp_path / "run").mkdir()

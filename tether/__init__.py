@@ -1,7 +1,7 @@
 """tether: classic RLHF — Bradley–Terry reward models and PPO with a per-token KL tether.
 
-``import tether`` is light: it loads the math (torch only). ``RewardModel`` and other components that
-need ``transformers`` are resolved lazily on first access.
+``import tether`` is light: it loads the math (torch only). ``RewardModel``, the trainers
+(``RewardTrainer``, ``PPOTrainer``), their configs and callbacks are resolved lazily on first access.
 """
 
 from tether.core.advantages import gae, masked_mean, shaped_rewards, whiten
@@ -14,6 +14,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "RewardModel": "tether.rm.model",
     "RewardEnsemble": "tether.rm.model",
+    "ProcessRewardModel": "tether.rm.process",
+    "RewardTrainer": "tether.rm.train",
+    "RewardTrainingConfig": "tether.rm.config",
+    "PPOTrainer": "tether.ppo.train",
+    "RunConfig": "tether.ppo.config",
+    "Callback": "tether.callbacks",
+    "StopTraining": "tether.callbacks",
+    "StepRecord": "tether.callbacks",
+    "TrainResult": "tether.callbacks",
 }
 
 __all__ = [

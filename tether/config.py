@@ -158,8 +158,9 @@ def _check(value: Any, f: dataclasses.Field, where: str) -> Any:
     return value
 
 
-def _set(cfg, key: str, value: Any, where: str) -> None:
-    """Set dotted ``key`` on ``cfg`` after conversion and checks; unknown keys are errors."""
+def _set(cfg, key: str, value: Any, where: str, check: bool = True) -> None:
+    """Set dotted ``key`` on ``cfg`` after conversion and checks (``check`` False: as it is, for
+    :func:`check_config` to check); unknown keys are errors."""
     parts = key.split(".")
     obj = cfg
     for p in parts[:-1]:
@@ -173,8 +174,7 @@ def _set(cfg, key: str, value: Any, where: str) -> None:
     tp = _hints(type(obj))[f.name]
     if _is_config(tp):
         raise ConfigError(f"{where}: '{key}' is a section, give its keys")
-    value = _check(_convert(value, tp, where), f, where)
-    setattr(obj, f.name, value)
+    setattr(obj, f.name, _check(_convert(value, tp, where), f, where) if check else value)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -236,10 +236,55 @@ def resolve_config(cls, args: argparse.Namespace, config_path: str | None = None
         value = getattr(args, key, None)
         if value is not None:
             _set(cfg, key, value, flag_of(key, f))
+    return check_config(cfg)
+
+
+def check_config(cfg):
+    """Every field of ``cfg`` through the checks a flag's value gets (type, choices, bounds; older spellings
+    of choices replaced), then the config's ``validate()``: the one validation path of a config however it was
+    made — flags, YAML, or fields set from Python (a bad value is the same one-line error, naming the flag).
+    Returns ``cfg``, checked in place."""
+    for key, f, _ in leaf_fields(type(cfg)):
+        obj = cfg
+        for part in key.split(".")[:-1]:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"{key.rsplit('.', 1)[0]}: expected a config section, got {type(obj).__name__}")
+        _set(cfg, key, getattr(obj, f.name), flag_of(key, f))
     validate = getattr(cfg, "validate", None)
     if validate is not None:
         validate()
     return cfg
+
+
+def as_config(cls, config, check: bool = True):
+    """``config`` as a ``cls``: a ``cls`` itself, a dict of keys nested as in the saved ``config.yaml`` or dotted
+    (``{"kl.coef": 0.1}``), or the path of a YAML file; then :func:`check_config` unless ``check`` is False
+    (the caller completes it first)."""
+    if isinstance(config, dict):
+        cfg = cls()
+        for key, value in flatten(config).items():  # values checked below, named by their flags as on the CLI
+            _set(cfg, key, value, f"config: key '{key}'", check=False)
+        config = cfg
+    elif isinstance(config, (str, Path)):
+        path, config = config, cls()
+        load_yaml(config, path)
+    elif not isinstance(config, cls):
+        raise ConfigError(f"config: expected a {cls.__name__}, a dict or a YAML path, got {type(config).__name__}")
+    return check_config(config) if check else config
+
+
+def config_differences(cfg, saved: dict | str | Path, allowed: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """``(key, value in cfg, saved value)`` for every key whose value differs from ``saved`` (a flat dict of
+    dotted keys, or a saved ``config.yaml``); keys starting with one of ``allowed``, and keys the saved config
+    does not have (added since), are left out. A file that is not a config is a one-line error."""
+    if not isinstance(saved, dict):
+        try:
+            saved = flatten(yaml.safe_load(Path(saved).read_text(encoding="utf-8")) or {})
+        except (OSError, yaml.YAMLError, AttributeError):
+            raise ConfigError(f"{saved}: not a readable config; cannot compare the run's settings with it") from None
+    return [(key, value, saved[key]) for key, value in flatten(config_to_dict(cfg)).items()
+            if key in saved and not key.startswith(allowed) and saved[key] != value]
 
 
 def config_to_dict(cfg) -> dict[str, Any]:

@@ -7,7 +7,10 @@ records into :class:`PreferencePair` s, in either shape:
 
 - ``prompt`` / ``chosen`` / ``rejected``: the replies are ``chosen`` and ``rejected``;
 - whole transcripts ``chosen`` / ``rejected`` (HH-RLHF): the prompt is the shared prefix up to and
-  including the last ``"\\n\\nAssistant:"``, the replies are what follows it.
+  including the last ``"\\n\\nAssistant:"``, the replies are what follows it;
+- TRL's conversational form, message lists (:func:`tether.conversations.conversational_pair`): the pair's
+  prompt is then the messages, rendered by the reward model's chat template like any prompt.
+``pairs_from_data`` reads the same rows handed over from Python (a ``datasets.Dataset`` or a list of rows).
 
 Pairs whose two sides are identical, or whose transcripts do not share the prompt, carry no preference:
 they are skipped and counted, never an error. Numbering: line numbers (1-based) for JSONL, JSON-lines
@@ -27,10 +30,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tether.conversations import (  # noqa: F401 - ASSISTANT, split_transcript, transcript_messages: this module's API
+    ASSISTANT, conversational_pair, prompt_key, split_transcript, transcript_messages)
 from tether.errors import DataError
 
-ASSISTANT = "\n\nAssistant:"
-_TURN = re.compile(r"\n\n(Human|Assistant):")
 SUFFIXES = ".jsonl, .jsonl.gz, .json, .json.gz, .csv, .csv.gz, .parquet, or a folder saved with datasets' save_to_disk"
 
 
@@ -251,28 +254,6 @@ class PairStats:
         return text
 
 
-def split_transcript(text: str) -> tuple[str, str] | None:
-    """``(prompt, reply)`` of an HH-style transcript: the prompt runs up to and including the last
-    ``"\\n\\nAssistant:"``; ``None`` when there is no such marker."""
-    cut = text.rfind(ASSISTANT)
-    if cut < 0:
-        return None
-    cut += len(ASSISTANT)
-    return text[:cut], text[cut:]
-
-
-def transcript_messages(prompt: str) -> list[dict[str, str]] | None:
-    """Chat messages of an HH-style prompt (``"\\n\\nHuman: …\\n\\nAssistant: …\\n\\nHuman: …\\n\\nAssistant:"``):
-    ``[{"role": "user", …}, {"role": "assistant", …}, …, {"role": "user", …}]`` with stripped contents;
-    ``None`` when the text is not such a transcript (then it is one user message)."""
-    if not prompt.startswith("\n\nHuman:") or not prompt.endswith(ASSISTANT):
-        return None
-    parts = _TURN.split(prompt)  # ['', 'Human', ' hi', 'Assistant', ' hello', ..., 'Assistant', '']
-    roles = {"Human": "user", "Assistant": "assistant"}
-    messages = [{"role": roles[who], "content": said.strip()} for who, said in zip(parts[1::2], parts[2::2])]
-    return messages[:-1]  # the last one is the empty assistant turn being scored
-
-
 def _text_field(record: dict, key: str, where: str, allow_empty: bool = False) -> str:
     if key not in record or record[key] is None:
         raise DataError(f"{where}: missing field '{key}' (found: {', '.join(map(str, record)) or 'none'})")
@@ -287,6 +268,9 @@ def _text_field(record: dict, key: str, where: str, allow_empty: bool = False) -
 def pair_from_record(record: dict, where: str) -> PreferencePair | str:
     """A :class:`PreferencePair`, or the reason it carries no preference (``"identical"``,
     ``"no_shared_prompt"``); a :class:`DataError` for a malformed record."""
+    if any(isinstance(record.get(k), (list, tuple)) for k in ("chosen", "rejected", "prompt")):
+        result = conversational_pair(record, where)
+        return result if isinstance(result, str) else PreferencePair(*result, where)
     chosen = _text_field(record, "chosen", where)
     rejected = _text_field(record, "rejected", where)
     if "prompt" in record and record["prompt"] is not None:
@@ -311,34 +295,71 @@ def load_preference_pairs(paths: Iterable[str | Path], *, skip_invalid: bool = F
     for path in paths:
         bad: list[str] = []
         records = read_records(path, skip_invalid=skip_invalid, skipped=bad)
-        stats.rows += len(records) + len(bad)
+        stats.rows += len(bad)
         if records and _kind(path) in ("csv", "parquet", "dataset"):
             missing = [k for k in ("chosen", "rejected") if k not in records[0][1]]
             if missing:  # a missing column is the whole file's problem, not one row's
                 raise DataError(f"{path}: missing column '{missing[0]}' "
                                 f"(columns: {', '.join(map(str, records[0][1]))})")
-        for number, record in records:
-            where = record_location(path, number)
-            try:
-                result = pair_from_record(record, where)
-            except DataError as e:
-                if not skip_invalid:
-                    raise
-                bad.append(str(e))
-                continue
-            if isinstance(result, PreferencePair):
-                pairs.append(result)
-            elif result == "identical":
-                stats.identical += 1
-            else:
-                stats.no_shared_prompt += 1
-        stats.invalid += len(bad)
-        stats.invalid_examples.extend(bad[:1])
-    stats.pairs = len(pairs)
+        pairs += _pairs_of(records, lambda number: record_location(path, number), stats, skip_invalid, bad)
+    return _some_pairs(pairs, stats, ", ".join(str(p) for p in paths))
+
+
+def pairs_from_data(data, name: str = "pairs", *, skip_invalid: bool = False
+                    ) -> tuple[list[PreferencePair], PairStats]:
+    """Preference pairs from rows handed over from Python (:func:`python_records`); rows are named
+    ``"NAME: row N"`` in errors. A list of :class:`PreferencePair` is taken as it is."""
+    if isinstance(data, (list, tuple)) and data and all(isinstance(p, PreferencePair) for p in data):
+        return list(data), PairStats(rows=len(data), pairs=len(data))
+    stats, bad = PairStats(), []
+    pairs = _pairs_of(python_records(data, name), lambda number: f"{name}: row {number}", stats, skip_invalid, bad)
+    return _some_pairs(pairs, stats, name)
+
+
+def _pairs_of(records: list[tuple[int, object]], location, stats: PairStats, skip_invalid: bool,
+              bad: list[str]) -> list[PreferencePair]:
+    """The pairs of ``records`` (``location(number)`` names a row), counting what is skipped in ``stats``."""
+    pairs = []
+    stats.rows += len(records)
+    for number, record in records:
+        where = location(number)
+        try:
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a row of fields, got {type(record).__name__}")
+            result = pair_from_record(record, where)
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            bad.append(str(e))
+            continue
+        if isinstance(result, PreferencePair):
+            pairs.append(result)
+        elif result == "identical":
+            stats.identical += 1
+        else:
+            stats.no_shared_prompt += 1
+    stats.invalid += len(bad)
+    stats.invalid_examples.extend(bad[:1])
+    stats.pairs += len(pairs)
+    return pairs
+
+
+def _some_pairs(pairs: list[PreferencePair], stats: PairStats, names: str) -> tuple[list[PreferencePair], PairStats]:
     if not pairs:
-        names = ", ".join(str(p) for p in paths)
         raise DataError(f"{names}: no usable preference pairs ({stats.summary()})")
     return pairs, stats
+
+
+def python_records(data, name: str) -> list[tuple[int, object]]:
+    """Rows handed over from Python, numbered from 1: a ``datasets.Dataset`` (one split) or a list of rows."""
+    if isinstance(data, dict) and data and all(hasattr(v, "column_names") for v in data.values()):
+        raise DataError(f"{name}: holds the splits {', '.join(map(str, data))}; pass one of them")
+    if not (hasattr(data, "column_names") or isinstance(data, (list, tuple))):
+        raise DataError(f"{name}: expected a datasets.Dataset or a list of rows, got {type(data).__name__}")
+    rows = data.to_list() if hasattr(data, "column_names") else list(data)  # a datasets.Dataset: its rows
+    if not rows:
+        raise DataError(f"{name}: no rows")
+    return list(enumerate(rows, start=1))
 
 
 def split_pairs(pairs: list[PreferencePair], eval_fraction: float, seed: int
@@ -351,7 +372,7 @@ def split_pairs(pairs: list[PreferencePair], eval_fraction: float, seed: int
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     groups: dict[str, list[PreferencePair]] = {}
     for pair in pairs:
-        groups.setdefault(pair.prompt, []).append(pair)
+        groups.setdefault(prompt_key(pair.prompt), []).append(pair)
     prompts = sorted(groups)
     random.Random(seed).shuffle(prompts)
     target = max(1, round(eval_fraction * len(pairs)))
@@ -362,8 +383,8 @@ def split_pairs(pairs: list[PreferencePair], eval_fraction: float, seed: int
             break
         held_out_prompts.add(prompt)
         n_held_out += len(groups[prompt])
-    train = [p for p in pairs if p.prompt not in held_out_prompts]
-    held_out = [p for p in pairs if p.prompt in held_out_prompts]
+    train = [p for p in pairs if prompt_key(p.prompt) not in held_out_prompts]
+    held_out = [p for p in pairs if prompt_key(p.prompt) in held_out_prompts]
     return train, held_out
 
 

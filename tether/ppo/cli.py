@@ -1,4 +1,5 @@
-"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :func:`tether.ppo.train.train`."""
+"""``tether ppo``: flags and YAML for :class:`~tether.ppo.config.RunConfig`, then :func:`tether.ppo.train.train`
+(:class:`~tether.ppo.train.PPOTrainer`, the Python API's code path)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def run(args) -> int:
 
         print(dry_run(cfg))
         return 0
-    run_dir = train(cfg, resume=args.resume)
+    run_dir = train(cfg, resume=args.resume)  # PPOTrainer(cfg, resume=...).train(), as from Python
     if os.environ.get("RANK", "0") == "0":  # one line, not one per process
         print(f"tether ppo: run written to {run_dir}")
     return 0

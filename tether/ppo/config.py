@@ -28,6 +28,9 @@ class ModelConfig:
     lora_dropout: float = option(0.0, "LoRA dropout (0 keeps the first minibatch's ratio exactly 1)", low=0, high=1)
     lora_target_modules: str = option("all-linear", "LoRA target modules: 'all-linear' or comma-separated module "
                                       "names", aliases=("lora_target",))
+    export_lora: str = option("merged", "the final policy of a LoRA run: 'merged' (a plain model) or 'adapter' (the "
+                              "adapter alone, for peft over the base); in --model-dtype either way",
+                              choices=("merged", "adapter"), flag="--export-lora")
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
 
@@ -218,6 +221,8 @@ class RunConfig:
             raise ConfigError("--reward: at least one reward source is required")
         if "{prompt}" not in self.data.prompt_template:
             raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
+        if self.model.export_lora == "adapter" and not self.model.lora_r:
+            raise ConfigError("--export-lora adapter: needs --lora-r > 0 (a full fine-tune has no adapter)")
         if self.critic.lora_r and self.critic.kind != "separate":
             raise ConfigError("--critic-lora-r: needs --critic separate (a value head has no backbone of its own)")
         # Truncated sampling is refused, not scored as truncated: see docs/sampling.md for why.

@@ -16,27 +16,30 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from tether.core.stats import entropy_from_logits, logprobs_from_logits
-from tether.data import transcript_messages
+from tether.conversations import chat_messages, prompt_text
 from tether.hf import transformers_model
 from tether.ppo.models import ValueHead
 from tether.ppo.records import Rollout
 
 
-def prompt_messages(prompt: str, system_prompt: str = "", template: str = "{prompt}") -> list[dict[str, str]]:
-    """The chat messages the policy sees for one prompt: an HH transcript becomes its turns (the model
-    continues as the assistant instead of reading a transcript inside one user message), anything else one
-    user message; ``template`` wraps the last user turn (``{prompt}`` is its text), ``system_prompt`` when
-    given replaces the template's default system turn."""
-    messages = transcript_messages(prompt) or [{"role": "user", "content": prompt}]
+def prompt_messages(prompt, system_prompt: str = "", template: str = "{prompt}") -> list[dict[str, str]]:
+    """The chat messages the policy sees for one prompt: a list of messages as given, an HH transcript its turns
+    (the model continues as the assistant instead of reading a transcript inside one user message), anything
+    else one user message; ``template`` wraps the last user turn (``{prompt}`` is its text), ``system_prompt``
+    when given replaces the template's default system turn (and a system message the prompt brought)."""
+    messages = chat_messages(prompt)
     messages[-1] = {"role": "user", "content": template.replace("{prompt}", messages[-1]["content"])}
+    if system_prompt and messages[0]["role"] == "system":
+        messages = messages[1:]
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
 
 
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, use_chat_template: bool,
+def encode_prompts(tokenizer, prompts: list, max_prompt_length: int, use_chat_template: bool,
                    system_prompt: str = "", template: str = "{prompt}"):
     """Token ids (B, P) left-padded and their mask. A chat prompt longer than ``max_prompt_length`` tokens
     loses its oldest exchanges first; whatever is still too long keeps its last ``max_prompt_length`` tokens.
-    Without a chat template the prompt text is ``template`` filled in, tokenised as is."""
+    Without a chat template the prompt text (messages as an HH transcript) is ``template`` filled in, tokenised
+    as is."""
     rows = []
     for prompt in prompts:
         if use_chat_template:
@@ -49,7 +52,7 @@ def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, use_ch
                 messages = messages[:first] + messages[first + 2:]
                 ids = _chat_ids(tokenizer, messages)
         else:
-            ids = tokenizer(template.replace("{prompt}", prompt), add_special_tokens=True)["input_ids"]
+            ids = tokenizer(template.replace("{prompt}", prompt_text(prompt)), add_special_tokens=True)["input_ids"]
         rows.append(list(ids)[-max_prompt_length:])
     width = max(len(r) for r in rows)
     query = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)

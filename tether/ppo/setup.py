@@ -26,6 +26,7 @@ from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, load_tokenizer
 from tether.ppo.engines import Engine, make_engine
+from tether.ppo.inputs import GivenInputs
 from tether.ppo.models import (
     Policy,
     Precision,
@@ -120,9 +121,13 @@ def resolve_gold(spec: str, rows: list[dict]):
     return load_rule(spec)
 
 
-def load_prompt_sets(cfg) -> tuple[list[dict], list[dict]]:
-    """Training and held-out prompt rows (a seeded split of --prompts when there is no --eval-prompts)."""
-    rows = load_prompts(cfg.data.prompts)
+def load_prompt_sets(cfg, given: GivenInputs | None = None) -> tuple[list[dict], list[dict]]:
+    """Training and held-out prompt rows (a seeded split of --prompts when there is no --eval-prompts); ``given``:
+    rows handed over from Python in place of the files."""
+    given = given or GivenInputs()
+    rows = given.prompts if given.prompts is not None else load_prompts(cfg.data.prompts)
+    if given.eval_prompts is not None:
+        return rows, given.eval_prompts
     if cfg.data.eval_prompts:
         return rows, load_prompts(cfg.data.eval_prompts)
     if cfg.data.eval_fraction > 0:
@@ -245,7 +250,8 @@ def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, toke
                   fsdp=processes.fsdp)
 
 
-def setup(cfg) -> Run:
+def setup(cfg, given: GivenInputs | None = None) -> Run:
+    """The run of ``cfg``; ``given``: rewards and prompts handed over from Python (:mod:`tether.ppo.inputs`)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # tether shows its own progress
@@ -258,10 +264,10 @@ def setup(cfg) -> Run:
         raise TetherError("--model-dtype fp16 under FSDP2: not supported (the loss scaler would need a "
                           "cross-process inf check); use bf16, or fp16 with DDP")
 
-    train_rows, eval_rows = load_prompt_sets(cfg)
+    train_rows, eval_rows = load_prompt_sets(cfg, given)
     policy, tokenizer, policy_path = load_policy(cfg.model)
     sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device,
-                            cfg.reward.process, cfg.reward.process_threshold)
+                            cfg.reward.process, cfg.reward.process_threshold, given.rewards if given else None)
     probe_rules(sources, train_rows[:4])
     critic = load_critic(cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path),
                          cfg.model)

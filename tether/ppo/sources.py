@@ -5,7 +5,8 @@ Sources: a reward model directory (standardised scores, A5) — several of them 
 (mean or min, A8) — a process reward model directory (A9: per-step scores; with ``per_step`` its step rewards
 land on the tokens that end the steps, :func:`dense_step_rewards`) and rules, any Python callable
 ``f(prompts, responses, **fields) -> list[float]`` named ``module:function`` (optionally
-``module:function:key=value,...`` for keyword arguments). The PPO step scores a rollout with
+``module:function:key=value,...`` for keyword arguments), and any of these given from Python as objects
+(``python:NAME`` in the config, :mod:`tether.ppo.inputs`). The PPO step scores a rollout with
 :func:`score_rollout`: a :class:`RewardScores` record holding the sequence channel (the sequence-level
 sources' summed scores, B4 applies to it) and the dense channel (per-step PRM rewards per token) apart.
 Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
@@ -30,6 +31,7 @@ from tether.rules import load_rule  # noqa: F401 - part of this module's API (te
 
 
 EOS_FIELD = "ended_with_eos"
+PYTHON = "python:"  # the spec of a reward given from Python as an object (tether.ppo.inputs names it)
 
 
 def with_eos_field(fields: dict[str, list], ended_with_eos=None) -> dict[str, list]:
@@ -104,9 +106,11 @@ def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: di
 
 
 class RuleSource:
-    def __init__(self, spec: str):
+    """A rule: ``spec`` imported (``module:function[:key=value,...]``), or the callable ``fn`` given from Python."""
+
+    def __init__(self, spec: str, fn: Callable | None = None):
         self.name = spec
-        self.fn = load_rule(spec)
+        self.fn = fn if fn is not None else load_rule(spec)
 
     def scores_and_errors(self, prompts, responses, fields) -> tuple[torch.Tensor, dict[int, str]]:
         """(B,) scores (NaN where the rule raised on the row) and ``{row: "ExcType: message"}`` of those rows."""
@@ -120,11 +124,13 @@ class RuleSource:
 class RewardModelSource:
     """One reward model or an ensemble, scoring decoded text with its own tokenizer (standardised)."""
 
-    def __init__(self, directories: list[str], reduce: str = "mean", batch_size: int = 64, device=None):
+    def __init__(self, directories: list[str], reduce: str = "mean", batch_size: int = 64, device=None,
+                 given: list[tuple[str, object]] = ()):
+        """``given``: ``(name, RewardModel or RewardEnsemble)`` objects from Python, in the ensemble too."""
         from tether.rm.model import RewardEnsemble, RewardModel
 
-        self.name = "+".join(directories)
-        models = [RewardModel.from_pretrained(d, device=device) for d in directories]
+        self.name = "+".join([*directories, *(name for name, _ in given)])
+        models = [RewardModel.from_pretrained(d, device=device) for d in directories] + [m for _, m in given]
         self.scorer = models[0] if len(models) == 1 else RewardEnsemble(models, reduce=reduce)
         self.batch_size = batch_size
 
@@ -140,11 +146,12 @@ class ProcessRewardSource:
     ``min`` / ``last``: one score per response, min_k p_k or p_K over the steps read, like any source."""
 
     def __init__(self, directory: str, aggregation: str = "per_step", threshold: float = 0.5, batch_size: int = 64,
-                 device=None):
+                 device=None, prm=None):
+        """``prm``: a :class:`~tether.rm.process.ProcessRewardModel` given from Python (``directory`` names it)."""
         from tether.rm.process import ProcessRewardModel
 
         self.name, self.aggregation, self.threshold, self.batch_size = directory, aggregation, threshold, batch_size
-        self.prm = ProcessRewardModel.from_pretrained(directory, device=device)
+        self.prm = prm if prm is not None else ProcessRewardModel.from_pretrained(directory, device=device)
         self.dense = aggregation == "per_step"
 
     def step_rewards(self, prompts, responses) -> tuple[list[list[float]], list[list[int | None]]]:
@@ -226,17 +233,50 @@ def is_process_reward_model(directory: str) -> bool:
         return False  # RewardModel.from_pretrained gives the one-line error
 
 
+def reward_kind(obj, name: str) -> str:
+    """What a reward given from Python is: ``"outcome"`` (a RewardModel or RewardEnsemble: scores joined with the
+    reward-model directories' ensemble), ``"process"`` (a ProcessRewardModel) or ``"rule"`` (any other callable
+    with the rule signature); anything else is a one-line error."""
+    from tether.rm.model import RewardEnsemble, RewardModel
+    from tether.rm.process import ProcessRewardModel
+
+    if isinstance(obj, ProcessRewardModel):
+        return "process"
+    if isinstance(obj, (RewardModel, RewardEnsemble)):
+        return "outcome"
+    if callable(obj):
+        return "rule"
+    raise TetherError(f"--reward {name}: a {type(obj).__name__} is not a reward (a callable f(prompts, responses, "
+                      f"**columns) -> list of numbers, a RewardModel, RewardEnsemble or ProcessRewardModel)")
+
+
+def check_given(specs: list[str], given: dict) -> None:
+    """Every ``python:NAME`` reward source must be given as an object: a run made with a Python reward is
+    resumed from Python with that reward given again (a command line cannot bring it back)."""
+    for spec in specs:
+        if spec.startswith(PYTHON) and spec not in given:
+            name = spec[len(PYTHON):]
+            raise TetherError(f"--reward {spec}: this run's reward {name!r} was a Python object; resume it from "
+                              f"Python, giving it again: tether.PPOTrainer(config, reward={{{name!r}: ...}}, "
+                              f"resume=True)")
+
+
 def build_sources(specs: list[str], ensemble: str = "mean", batch_size: int = 64, device=None,
-                  process: str = "per_step", process_threshold: float = 0.5) -> list:
-    """Outcome reward-model directories (one ensemble source), process reward models (one source each, A9)
-    and rules (one source each), in that order."""
-    dirs = [s for s in specs if is_reward_model_dir(s)]
+                  process: str = "per_step", process_threshold: float = 0.5, given: dict | None = None) -> list:
+    """Outcome reward models (directories and given objects: one ensemble source), process reward models (one
+    source each, A9) and rules (one source each), in that order. ``given``: ``{spec: object}`` for the sources
+    given from Python (:func:`reward_kind`)."""
+    given = given or {}
+    check_given(specs, given)
+    kinds = {s: reward_kind(given[s], s) for s in specs if s in given}
+    dirs = [s for s in specs if s not in given and is_reward_model_dir(s)]
     prm_dirs = [d for d in dirs if is_process_reward_model(d)]
     rm_dirs = [d for d in dirs if d not in prm_dirs]
-    rules = [s for s in specs if s not in dirs]
-    sources = [RewardModelSource(rm_dirs, ensemble, batch_size, device)] if rm_dirs else []
-    sources += [ProcessRewardSource(d, process, process_threshold, batch_size, device) for d in prm_dirs]
-    return sources + [RuleSource(s) for s in rules]
+    rm_given = [(s, given[s]) for s in specs if kinds.get(s) == "outcome"]
+    sources = [RewardModelSource(rm_dirs, ensemble, batch_size, device, rm_given)] if rm_dirs or rm_given else []
+    sources += [ProcessRewardSource(d, process, process_threshold, batch_size, device, given.get(d))
+                for d in specs if d in prm_dirs or kinds.get(d) == "process"]
+    return sources + [RuleSource(s, given.get(s)) for s in specs if s not in dirs and kinds.get(s, "rule") == "rule"]
 
 
 class RunningMoments:

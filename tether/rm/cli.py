@@ -1,5 +1,5 @@
 """``tether train-rm``: flags and YAML for :class:`~tether.rm.config.RewardTrainingConfig`, then
-:func:`tether.rm.train.train_reward_model`."""
+:class:`tether.rm.train.RewardTrainer` (the Python API's code path)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,13 @@ from tether.rm.config import RewardTrainingConfig
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config file (flags override it)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the unfinished training in --output-dir from its newest checkpoint")
     add_config_flags(parser, RewardTrainingConfig)
 
 
 def run(args) -> int:
-    cfg = resolve_config(RewardTrainingConfig, args, args.config)
-    if cfg.process:
-        from tether.rm.train_process import train_process_reward_model
+    from tether.rm.train import RewardTrainer
 
-        train_process_reward_model(cfg)
-    else:
-        from tether.rm.train import train_reward_model
-
-        train_reward_model(cfg)
+    RewardTrainer(resolve_config(RewardTrainingConfig, args, args.config), resume=args.resume).train()
     return 0

@@ -97,6 +97,10 @@ class RewardTrainingConfig:
     norm_sample: int = option(1000, "train pairs added to the held-out ones for the score mean/std", low=0,
                               flag="--norm-sample")
     eval_batch_size: int = option(32, "texts per forward pass when scoring", low=1, flag="--eval-batch-size")
+    save_every: int = option(0, "checkpoint every N optimiser steps (DIR/checkpoints, for --resume; removed when "
+                             "the finished model is written); 0 = by time only", low=0, flag="--save-every")
+    save_every_minutes: float = option(10.0, "checkpoint after a step when this many minutes have passed since the "
+                                       "last one; 0 = off", low=0.0, flag="--save-every-minutes")
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -24,7 +24,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from tether.data import transcript_messages
+from tether.conversations import chat_messages, prompt_text
 from tether.errors import TetherError
 from tether.hf import load_tokenizer, quiet_transformers
 from tether.rm.backbone import load_sequence_classifier, pad_batch, pooled_scores, pooling_of
@@ -53,12 +53,14 @@ class TextFormat:
     max_length: int = 512
     truncation: str = "prompt from the left, then reply from the right"
 
-    def render(self, tokenizer, prompt: str, reply: str) -> tuple[str, int, int]:
-        """``(text, reply_start, reply_end)``: the full text and the character span of the reply in it."""
+    def render(self, tokenizer, prompt, reply: str) -> tuple[str, int, int]:
+        """``(text, reply_start, reply_end)``: the full text and the character span of the reply in it.
+        ``prompt``: text, or chat messages (:mod:`tether.conversations`)."""
         if self.kind == "plain":
+            prompt = prompt_text(prompt)  # messages as an HH transcript
             start = len(prompt) + len(self.separator)
             return prompt + self.separator + reply, start, start + len(reply)
-        messages = transcript_messages(prompt) or [{"role": "user", "content": prompt}]
+        messages = chat_messages(prompt)
         template = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": _SENTINEL}],
                                                  tokenize=False)
         prefix, found, suffix = template.partition(_SENTINEL)

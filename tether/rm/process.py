@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from tether.conversations import prompt_text
 from tether.core.stats import wilson_interval
 from tether.core.steps import first_error, split_steps
 from tether.errors import TetherError
@@ -46,7 +47,7 @@ def encode_steps(tokenizer, prompt: str, steps: Sequence[str], separator: str, p
     start (down to one token), then every step from the first whose piece does not fit is cut (None; it
     would lack its context). ``read_cut_first``: a first step that alone does not fit keeps its first tokens
     up to ``max_length`` and is read at the last of them (scoring; training leaves it unlabelled)."""
-    prompt_ids = list(tokenizer(prompt + prompt_separator, add_special_tokens=True)["input_ids"])
+    prompt_ids = list(tokenizer(prompt_text(prompt) + prompt_separator, add_special_tokens=True)["input_ids"])
     pieces = [list(tokenizer(step + separator, add_special_tokens=False)["input_ids"]) for step in steps]
     step_tokens = sum(len(p) for p in pieces)
     prompt_cut = False

@@ -28,27 +28,35 @@ from pathlib import Path
 import torch
 
 from tether.checkpoint import atomic_dir
-from tether.config import config_to_dict, save_config
+from tether.callbacks import Callbacks, TrainResult
+from tether.config import as_config, check_config, config_to_dict, save_config
+from tether.conversations import prompt_key
 from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
 from tether.core.losses import bradley_terry_loss
-from tether.data import PreferencePair, balance_by_length, load_preference_pairs, split_pairs
+from tether.data import PreferencePair, balance_by_length, load_preference_pairs, pairs_from_data, split_pairs
 from tether.errors import ConfigError, DataError
 from tether.hf import DTYPES
 from tether.rm.config import RewardTrainingConfig
 from tether.rm.evaluate import evaluate_pairs, format_evaluation
+from tether.rm.resume import TrainingProgress, data_digest
 
 
-def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None = None):
+def train_reward_model(cfg: RewardTrainingConfig, pairs=None, callbacks: Callbacks | None = None,
+                       resume: bool = False):
     """Run Stage A; returns the trained :class:`~tether.rm.model.RewardModel` (also saved in
-    ``cfg.output_dir``). ``pairs`` replaces ``cfg.data.files`` (e.g. the demo's generated pairs)."""
+    ``cfg.output_dir``). ``pairs`` replaces ``cfg.data.files``: :class:`PreferencePair` s (e.g. the demo's
+    generated pairs), a ``datasets.Dataset`` or a list of rows (:func:`tether.data.pairs_from_data`).
+    ``resume``: continue from the newest checkpoint in ``cfg.output_dir`` (:mod:`tether.rm.resume`)."""
     from tether.presets import resolve_model_path
     from tether.rm.model import RewardModel
 
     started = time.perf_counter()
+    check_config(given_data(cfg, pairs))
     torch.manual_seed(cfg.seed)  # the new head's initialisation and dropout
     model_path = resolve_model_path(cfg.model, what="reward model")  # fail fast, before reading data
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
+    progress = TrainingProgress(out_dir, cfg, callbacks, resume)
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
 
     # 1. data
@@ -63,7 +71,7 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
         tokens = torch.tensor([[c.n_reply_tokens, r.n_reply_tokens] for c, r in encoded])  # (N, 2)
         length_w = fit_length_expert(log_length_ratio(tokens[:, 0], tokens[:, 1]))
         print(f"length expert: w = {length_w:+.3f} per unit of log length ratio (not in the reward)")
-    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id, pooling, length_w)
+    history = train_loop(model, encoded, cfg, device, tokenizer.pad_token_id, pooling, length_w, progress)
 
     # 5. a plain model + scale
     if cfg.lora.r > 0:
@@ -80,27 +88,66 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | 
     evaluation = evaluate_pairs(rm, held_out, batch_size=cfg.eval_batch_size)
     evaluation["split"] = data_info["evaluated_on"]
     print(format_evaluation(evaluation))
+    progress.callbacks("on_evaluate", evaluation)
 
     # 7. save
     run_info = {"seconds": round(time.perf_counter() - started, 2), "peak_rss_mb": peak_rss_mb(),
-                "final_train_loss": history[-1]["rm/loss"] if history else None}
+                "final_train_loss": history[-1]["rm/loss"] if history else None, "steps": len(history)}
     if length_w is not None:
         run_info["length_expert_w"] = length_w
     if device.type == "cuda":
         run_info["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    if progress.stopped:
+        run_info["stopped"] = progress.stopped
     rm.metadata.update({"training": config_to_dict(cfg), "data": data_info, "evaluation": evaluation,
                         "run": run_info})
     save_reward_model(rm, out_dir, cfg, evaluation, history)
+    progress.callbacks("on_save", out_dir)
     print(f"saved {out_dir} in {run_info['seconds']:.1f} s, peak memory {run_info['peak_rss_mb']:.0f} MB RSS")
     return rm
 
 
+class RewardTrainer:
+    """Stage A from Python, the code path of ``tether train-rm`` too: ``RewardTrainer(config, pairs).train()``.
+
+    ``config``: a :class:`RewardTrainingConfig`, a dict of its keys (nested or dotted) or a YAML path, checked
+    as the command line checks its flags (a bad value is the same one-line ConfigError); ``pairs``: data in
+    memory in place of ``data.files`` (a ``datasets.Dataset`` or a list of rows in any shape the files may
+    have, :class:`PreferencePair` s; with ``process``, :class:`~tether.rm.steps.StepExample` s);
+    ``callbacks``: :mod:`tether.callbacks`; ``resume``: continue the unfinished training in ``output_dir``."""
+
+    def __init__(self, config, pairs=None, callbacks=(), resume: bool = False):
+        self.cfg = check_config(given_data(as_config(RewardTrainingConfig, config, check=False), pairs))
+        self.pairs, self.callbacks, self.resume = pairs, Callbacks(callbacks), resume
+
+    def train(self) -> TrainResult:
+        """Train, evaluate on the held-out pairs and save; the result's ``model`` is the reward model."""
+        if self.cfg.process:
+            from tether.rm.train_process import train_process_reward_model
+
+            rm = train_process_reward_model(self.cfg, self.pairs, self.callbacks, self.resume)
+        else:
+            rm = train_reward_model(self.cfg, self.pairs, self.callbacks, self.resume)
+        out, run = Path(self.cfg.output_dir), rm.metadata["run"]
+        return TrainResult(run_dir=out, metrics=rm.metadata["evaluation"], models={"reward_model": out},
+                           steps=run["steps"], stopped=run.get("stopped"), model=rm)
+
+
+def given_data(cfg: RewardTrainingConfig, pairs) -> RewardTrainingConfig:
+    """``cfg`` with ``data.files`` naming data handed over from Python, when there is some and no file."""
+    if pairs is not None and not cfg.data.files:
+        cfg.data.files = ["python:pairs"]
+    return cfg
+
+
 # ---------------------------------------------------------------------------------------------- pieces
 def check_output_dir(out_dir: Path) -> None:
-    """Refuse to replace a non-empty folder that is not a tether reward model (it is the user's data)."""
+    """Refuse to replace a non-empty folder that is not a tether reward model or an unfinished training run
+    (only ``checkpoints/``): it is the user's data."""
     from tether.rm.model import METADATA_FILE
 
-    ours = (out_dir / METADATA_FILE).is_file()
+    ours = (out_dir / METADATA_FILE).is_file() or (out_dir.is_dir() and all(
+        p.name == "checkpoints" or p.name.startswith((".tmp-", ".old-")) for p in out_dir.iterdir()))
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not ours)):
         raise ConfigError(f"--output-dir {out_dir}: exists and is not a tether reward model; refusing to replace it")
 
@@ -111,16 +158,18 @@ def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
     source = ", ".join(cfg.data.files) if pairs is None else "the given pairs"
     if pairs is None:
         pairs, stats = load_preference_pairs(cfg.data.files, skip_invalid=cfg.data.skip_invalid)
-        print(f"data: {stats.summary()}")
+    else:
+        pairs, stats = pairs_from_data(pairs, "pairs", skip_invalid=cfg.data.skip_invalid)
+    print(f"data: {stats.summary()}")
     if cfg.data.max_pairs:
         pairs = pairs[: cfg.data.max_pairs]
     train, held_out = split_pairs(pairs, cfg.data.eval_fraction, cfg.seed)
     if not held_out or not train:
-        raise DataError(f"{source}: {len(pairs)} usable pair(s) over {len({p.prompt for p in pairs})} prompt(s) "
-                        f"are too few to split into train and held-out pairs by prompt (eval fraction "
+        raise DataError(f"{source}: {len(pairs)} usable pair(s) over {len({prompt_key(p.prompt) for p in pairs})} "
+                        f"prompt(s) are too few to split into train and held-out pairs by prompt (eval fraction "
                         f"{cfg.data.eval_fraction}); give pairs for at least two different prompts")
     data_info = {"pairs": len(pairs), "train": len(train), "held_out": len(held_out), "split": "by prompt",
-                 "held_out_prompts": len({p.prompt for p in held_out}), "evaluated_on": "held_out"}
+                 "held_out_prompts": len({prompt_key(p.prompt) for p in held_out}), "evaluated_on": "held_out"}
     print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
           f"({data_info['held_out_prompts']} held-out prompts, never trained on)")
     if cfg.data.dev_fraction:
@@ -255,10 +304,12 @@ def optimizer_step(params, optimizer, scheduler, scaler, max_grad_norm: float) -
 
 
 def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
-               pooling: str | None = None, length_w: float | None = None) -> list[dict]:
+               pooling: str | None = None, length_w: float | None = None,
+               progress: TrainingProgress | None = None) -> list[dict]:
     """AdamW over shuffled batches of pairs, ``optim.grad_accumulation`` batches per optimiser step.
     ``encoded``: list of ``(Encoded chosen, Encoded rejected)``; ``length_w``: the frozen length expert's
-    weight (:func:`~tether.core.length.fit_length_expert`), None = plain BT. Returns one metrics row per
+    weight (:func:`~tether.core.length.fit_length_expert`), None = plain BT; ``progress``: checkpoints,
+    resume and callbacks (:class:`~tether.rm.resume.TrainingProgress`). Returns one metrics row per
     optimiser step (``step``, ``epoch``, ``rm/loss``, ``rm/accuracy``, ``rm/grad_norm``, ``rm/lr``)."""
     from tqdm.auto import tqdm
 
@@ -268,13 +319,15 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     opt_cfg = cfg.optim
     params, optimizer, scheduler, autocast, scaler, steps = optimisation(model, cfg, len(encoded), device)
     generator = torch.Generator().manual_seed(cfg.seed)
-    history: list[dict] = []
+    progress = progress or TrainingProgress(None, cfg)
+    history = progress.restore(model, optimizer, scheduler, scaler, generator, data_digest(encoded))
     model.train()
-    bar = tqdm(total=steps, desc="train-rm", unit="step", mininterval=1.0)
+    bar = tqdm(total=steps, initial=len(history), desc="train-rm", unit="step", mininterval=1.0)
     pair_tokens = [max(len(c.ids), len(r.ids)) for c, r in encoded]
-    for epoch in range(opt_cfg.epochs):
+    for epoch in range(progress.epoch, opt_cfg.epochs):
+        epoch_generator = generator.get_state()  # a checkpoint in this epoch draws its batches again from here
         batches = pair_batches(pair_tokens, opt_cfg.batch_size, generator, opt_cfg.group_by_length)
-        for first in range(0, len(batches), opt_cfg.grad_accumulation):
+        for first in range(progress.first_batch(epoch), len(batches), opt_cfg.grad_accumulation):
             group = batches[first:first + opt_cfg.grad_accumulation]
             n_pairs = sum(len(b) for b in group)
             loss_sum = correct = 0.0
@@ -292,6 +345,11 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
             bar.update(1)
             bar.set_postfix(loss=f"{history[-1]['rm/loss']:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}",
                             refresh=False)
+            if progress.step_done(history, epoch, first + opt_cfg.grad_accumulation, epoch_generator,
+                                  (model, optimizer, scheduler, scaler)):
+                break
+        if progress.stopped:
+            break
     bar.close()
     return history
 

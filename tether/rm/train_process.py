@@ -22,35 +22,44 @@ from pathlib import Path
 
 import torch
 
-from tether.config import config_to_dict
+from tether.callbacks import Callbacks
+from tether.config import check_config, config_to_dict
 from tether.core.steps import step_bce_loss
-from tether.data import split_pairs
+from tether.data import python_records, split_pairs
 from tether.errors import DataError
 from tether.hf import DTYPES
 from tether.rm.config import RewardTrainingConfig
 from tether.rm.process import (ProcessRewardModel, batch_tensors, encode_steps, evaluate_steps,
                                format_step_evaluation, step_logits)
-from tether.rm.steps import StepExample, load_step_examples
-from tether.rm.train import (check_output_dir, load_model, optimisation, optimizer_step, pair_batches,
+from tether.rm.resume import TrainingProgress, data_digest
+from tether.rm.steps import StepExample, example_from_record, load_step_examples
+from tether.rm.train import (check_output_dir, given_data, load_model, optimisation, optimizer_step, pair_batches,
                              peak_rss_mb, save_reward_model)
 
 
-def train_process_reward_model(cfg: RewardTrainingConfig, examples: list[StepExample] | None = None):
+def train_process_reward_model(cfg: RewardTrainingConfig, examples=None, callbacks: Callbacks | None = None,
+                               resume: bool = False):
     """Run ``train-rm --process``; returns the trained :class:`~tether.rm.process.ProcessRewardModel` (also
-    saved in ``cfg.output_dir``). ``examples`` replaces ``cfg.data.files`` (e.g. the step task's labelled samples)."""
+    saved in ``cfg.output_dir``). ``examples`` replaces ``cfg.data.files``: :class:`StepExample` s (e.g. the step
+    task's labelled samples), or rows in memory (a ``datasets.Dataset``, a list of dicts) in the files' shapes.
+    ``resume``: continue from the newest checkpoint in ``cfg.output_dir`` (:mod:`tether.rm.resume`)."""
     from tether.presets import resolve_model_path
     from tether.rm.model import RewardModel
 
     started = time.perf_counter()
+    check_config(given_data(cfg, examples))
     torch.manual_seed(cfg.seed)
     model_path = resolve_model_path(cfg.model, what="reward model")
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
+    progress = TrainingProgress(out_dir, cfg, callbacks, resume)
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     separator = cfg.step_separator
 
     # 1. data, split by prompt
     source = ", ".join(cfg.data.files) if examples is None else "the given examples"
+    if examples is not None and not all(isinstance(e, StepExample) for e in examples):
+        examples = [example_from_record(r, f"pairs: row {n}", separator) for n, r in python_records(examples, "pairs")]
     if examples is None:
         examples, counts = load_step_examples(cfg.data.files, separator, skip_invalid=cfg.data.skip_invalid)
         print(f"data: {counts['examples']} step-labelled responses ({counts['steps']} steps, {counts['good_steps']} "
@@ -74,7 +83,8 @@ def train_process_reward_model(cfg: RewardTrainingConfig, examples: list[StepExa
     print(f"truncation: {sum(e.prompt_truncated for e in encoded)} of {len(encoded)} train texts had the prompt "
           f"cut; {cut} steps past max_length {text_format.max_length} left out of the loss")
     # 4. train
-    history = train_steps_loop(model, encoded, [e.labels for e in train], cfg, device, tokenizer.pad_token_id)
+    history = train_steps_loop(model, encoded, [e.labels for e in train], cfg, device, tokenizer.pad_token_id,
+                               progress)
     if cfg.lora.r > 0:
         model = model.merge_and_unload()
     model.to(DTYPES[cfg.dtype]).eval()
@@ -85,32 +95,38 @@ def train_process_reward_model(cfg: RewardTrainingConfig, examples: list[StepExa
                                 batch_size=cfg.eval_batch_size)
     evaluation = evaluate_steps(probs, [e.labels for e in held_out], [e.prompt for e in held_out])
     print(format_step_evaluation(evaluation))
+    progress.callbacks("on_evaluate", evaluation)
     # 6. save
     run_info = {"seconds": round(time.perf_counter() - started, 2), "peak_rss_mb": peak_rss_mb(),
-                "final_train_loss": history[-1]["rm/loss"] if history else None}
+                "final_train_loss": history[-1]["rm/loss"] if history else None, "steps": len(history),
+                **({"stopped": progress.stopped} if progress.stopped else {})}
     rm.metadata.update({"training": config_to_dict(cfg), "evaluation": evaluation, "run": run_info,
                         "data": {"train": len(train), "held_out": len(held_out), "split": "by prompt"}})
     save_reward_model(rm, out_dir, cfg, evaluation, history)
+    progress.callbacks("on_save", out_dir)
     print(f"saved {out_dir} in {run_info['seconds']:.1f} s, peak memory {run_info['peak_rss_mb']:.0f} MB RSS")
     return rm
 
 
 def train_steps_loop(model, encoded, labels: list[list[int]], cfg: RewardTrainingConfig, device: torch.device,
-                     pad_id: int) -> list[dict]:
+                     pad_id: int, progress: TrainingProgress | None = None) -> list[dict]:
     """AdamW over shuffled batches of responses with the per-step BCE loss, linear warm-up then decay;
     ``optim.grad_accumulation`` batches per optimiser step, each weighted by its share of the step's labelled
-    steps (so the update is that of the mean over all of them). Returns one metrics row per optimiser step."""
+    steps (so the update is that of the mean over all of them); ``progress``: checkpoints, resume and callbacks
+    (:class:`~tether.rm.resume.TrainingProgress`). Returns one metrics row per optimiser step."""
     from tqdm.auto import tqdm
 
     o = cfg.optim
     params, optimizer, scheduler, autocast, scaler, steps = optimisation(model, cfg, len(encoded), device)
     generator = torch.Generator().manual_seed(cfg.seed)
-    history: list[dict] = []
+    progress = progress or TrainingProgress(None, cfg)
+    history = progress.restore(model, optimizer, scheduler, scaler, generator, data_digest([(e,) for e in encoded]))
     model.train()
-    bar = tqdm(total=steps, desc="train-prm", unit="step", mininterval=1.0)
-    for epoch in range(o.epochs):
+    bar = tqdm(total=steps, initial=len(history), desc="train-prm", unit="step", mininterval=1.0)
+    for epoch in range(progress.epoch, o.epochs):
+        epoch_generator = generator.get_state()
         batches = pair_batches([len(e.ids) for e in encoded], o.batch_size, generator, o.group_by_length)
-        for first in range(0, len(batches), o.grad_accumulation):
+        for first in range(progress.first_batch(epoch), len(batches), o.grad_accumulation):
             group = batches[first:first + o.grad_accumulation]
             tensors = []
             for batch in group:
@@ -136,5 +152,10 @@ def train_steps_loop(model, encoded, labels: list[list[int]], cfg: RewardTrainin
                             "rm/accuracy": correct / max(1, n_steps), "rm/grad_norm": float(grad_norm), "rm/lr": lr})
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}", refresh=False)
+            if progress.step_done(history, epoch, first + o.grad_accumulation, epoch_generator,
+                                  (model, optimizer, scheduler, scaler)):
+                break
+        if progress.stopped:
+            break
     bar.close()
     return history
