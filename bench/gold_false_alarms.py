@@ -38,15 +38,18 @@ from tether.diagnostics.gold import unpaired_p, z_of  # noqa: E402
 from tether.diagnostics.health import GOLD_ALARM, GOLD_WARN, HealthConfig, HealthMonitor  # noqa: E402
 
 
-def flat_runs(rng: np.random.Generator, trials: int, evals: int, n: int, accuracy: float, lam: float,
-              phi: float) -> np.ndarray:
-    """(trials, evals, n) bools: per-problem results of flat runs under the latent model above."""
+def simulated_runs(rng: np.random.Generator, trials: int, accuracies: list[float], n: int, lam: float,
+                   phi: float) -> np.ndarray:
+    """(trials, evaluations, n) bools: per-problem results under the latent model above, with true accuracy
+    ``accuracies[t]`` at evaluation t (all equal: a flat run)."""
+    evals = len(accuracies)
     u = rng.standard_normal((trials, 1, n))
     e = np.empty((trials, evals, n))
     e[:, 0] = rng.standard_normal((trials, n))
     for t in range(1, evals):
         e[:, t] = phi * e[:, t - 1] + math.sqrt(1 - phi * phi) * rng.standard_normal((trials, n))
-    return math.sqrt(lam) * u + math.sqrt(1 - lam) * e > NormalDist().inv_cdf(1 - accuracy)
+    cut = np.array([NormalDist().inv_cdf(1 - a) for a in accuracies])[None, :, None]
+    return math.sqrt(lam) * u + math.sqrt(1 - lam) * e > cut
 
 
 def phi_coefficient(a: np.ndarray, b: np.ndarray) -> float:
@@ -103,7 +106,7 @@ def fit(by_lag: dict[int, list[float]], accuracy: float, rng: np.random.Generato
     return best[1], best[2]
 
 
-def alarms(x: np.ndarray, beta: float, config: HealthConfig) -> bool:
+def alarms(x: np.ndarray, beta: float, config: HealthConfig | None = None) -> bool:
     """Whether the monitor names a gold band on one simulated run, (evals, n) bools."""
     monitor = HealthMonitor(config)
     k = len(x)
@@ -158,14 +161,14 @@ def main() -> None:
         lam, phi = fit(by_lag, args.accuracy, rng)
     lam = args.lam if args.lam is not None else lam
     phi = args.phi if args.phi is not None else phi
-    check = flat_runs(rng, 200, 5, args.n, args.accuracy, lam, phi)
+    check = simulated_runs(rng, 200, [args.accuracy] * 5, args.n, lam, phi)
     sim = [np.mean([phi_coefficient(r[0], r[lag]) for r in check]) for lag in range(1, 5)]
     print(f"model: λ = {lam:.3f}, φ = {phi:.3f}; simulated phi at lags 1-4: {', '.join(f'{p:.3f}' for p in sim)}; "
           f"n = {args.n}, accuracy {args.accuracy:g}, {args.trials} runs per cell")
     print("\n| evaluations | gold alarm (σ) | β = 0 rule | β > 0 rule | former unpaired band (c82fbb6) |\n"
           "| --- | --- | --- | --- | --- |")
     for k in (int(s) for s in args.evals.split(",")):
-        x = flat_runs(rng, args.trials, k, args.n, args.accuracy, lam, phi)
+        x = simulated_runs(rng, args.trials, [args.accuracy] * k, args.n, lam, phi)
         before = rate(sum(alarms_before(r) for r in x), args.trials)
         for level in (float(s) for s in args.alarm.split(",")):
             config = HealthConfig(bands=[f"{name}=:{min(GOLD_WARN, level):g}::{level:g}"

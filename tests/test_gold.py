@@ -173,3 +173,28 @@ def test_problem_results_are_read_from_complete_samples_files(tmp_path):
     out = with_problem_results(rows, tmp_path)
     assert out[0]["eval/correct"] == "1010" and "eval/correct" not in out[1] and out[2]["eval/correct"] == "1000"
     assert "eval/correct" not in out[3]
+
+
+def test_false_alarm_simulation_machinery():
+    """bench/gold_false_alarms.py, at a handful of runs: its flat runs have the accuracy and the decaying
+    correlation asked for, and the monitor it feeds sees a real fall (a true 12-point drop at the last two of 5
+    evaluations of 250 problems) in nearly every run while flat runs almost never alarm. It fails on a broken
+    generator, on rows the monitor cannot alarm on (no eval/n, no reward), or on a band that alarms on noise
+    far more often than the simulated ~2%."""
+    import importlib.util
+    from pathlib import Path
+
+    np = pytest.importorskip("numpy")
+    path = Path(__file__).resolve().parents[1] / "bench" / "gold_false_alarms.py"
+    spec = importlib.util.spec_from_file_location("gold_false_alarms", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(0)
+    flat = bench.simulated_runs(rng, 40, [0.5] * 5, 250, lam=0.13, phi=0.62)
+    assert abs(flat.mean() - 0.5) < 0.01
+    lag1 = np.mean([bench.phi_coefficient(r[0], r[1]) for r in flat])
+    lag4 = np.mean([bench.phi_coefficient(r[0], r[4]) for r in flat])
+    assert 0.4 < lag1 < 0.55 and 0.08 < lag4 < 0.25  # latent 0.13 + 0.87·0.62^lag: phi about 0.47 and 0.16
+    assert sum(bench.alarms(r, 0.0) for r in flat) <= 3  # about 2% expected: 0.8 of 40
+    fall = bench.simulated_runs(rng, 20, [0.5, 0.5, 0.5, 0.38, 0.38], 250, lam=0.13, phi=0.62)
+    assert sum(bench.alarms(r, 0.0) for r in fall) >= 18

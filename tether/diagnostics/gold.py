@@ -219,15 +219,16 @@ def with_problem_results(rows: list[dict], run_dir: str | Path) -> list[dict]:
 
 def describe(point: dict) -> str:
     """One line for an evaluation of :meth:`GoldHistory.update` (as ``GoldPoint.to_dict()``): its fall from the
-    best so far and the evidence, e.g. ``step 40: 46.0% vs best 59.2% at step 0, paired: 45 right -> wrong,
-    12 wrong -> right, p = 2.1e-06, x4 earlier evaluations = 8.4e-06 (z = 4.31); trend since the best z = 4.9``."""
+    best so far and the evidence, e.g. ``step 40: 47.3% vs best 61.3% at step 0, paired: 47 right -> wrong,
+    26 wrong -> right, p = 0.0093; trend since the best z = 3.81 (p = 7e-05); x4 earlier evaluations:
+    p = 0.00028 (z = 3.45)``."""
     if point.get("best_step") is None:
         return f"step {point['step']}: {100 * point['accuracy']:.1f}% (first evaluation)"
     how = (f"paired: {point['worse']} right -> wrong, {point['better']} wrong -> right" if point["paired"]
            else "unpaired (no per-problem results)")
     line = (f"step {point['step']}: {100 * point['accuracy']:.1f}% vs best {100 * point['best_accuracy']:.1f}% at "
-            f"step {point['best_step']}, {how}, p = {point['p']:.2g}, x{point['candidates']} earlier evaluations = "
-            f"{point['p_selected']:.2g} (z = {point['z']:.2f})")
+            f"step {point['best_step']}, {how}, p = {point['p']:.2g}")
     if point.get("trend_z") is not None:
-        line += f"; trend since the best z = {point['trend_z']:.2f}"
+        line += f"; trend since the best z = {point['trend_z']:.2f} (p = {point['p_trend']:.2g})"
+    line += f"; x{point['candidates']} earlier evaluations: p = {point['p_selected']:.2g} (z = {point['z']:.2f})"
     return line + ("" if point["reward_held"] else "; the reward fell too")

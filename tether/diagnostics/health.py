@@ -301,7 +301,7 @@ class _Tracker:
             base = statistics.median(self.history[:cfg.baseline_steps])
             return value / base if base > 0 else None
         # gold: needs a reward and the evaluation's size on the same row; per-problem results when logged
-        reward = next((float(row[k]) for k in REWARD_KEYS if _number(row.get(k)) is not None), None)
+        reward = next((v for k in REWARD_KEYS if (v := _number(row.get(k))) is not None and math.isfinite(v)), None)
         n = _number(row.get("eval/n"))
         if reward is None or n is None or n < 1:
             return None

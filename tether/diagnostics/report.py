@@ -1,10 +1,10 @@
 """``tether report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page about one or more PPO runs (D4), or
 reward-model runs (``tether train-rm`` output: its ``metrics.jsonl`` of training loss and batch accuracy).
 
-The page holds the curves (reward, gold metric, KL mean and max, β, clip fraction, ratio std, value loss,
-explained variance, entropy, length) with every run on shared axes and the health bands shaded, the
-doctor's verdict per run, the phase-time breakdown with the rollout share, and sample responses from
-the last evaluation. Plots are PNGs from matplotlib's Agg backend embedded as base64; nothing on the
+The page holds the curves (reward, gold metric with its paired intervals, KL mean and max, β, clip fraction,
+ratio std, value loss, explained variance, entropy, length) with every run on shared axes and the health
+bands shaded, the doctor's verdict per run with its paired gold evidence, the phase-time breakdown with the
+rollout share, and sample responses from the last evaluation. Plots are PNGs from matplotlib's Agg backend embedded as base64; nothing on the
 page refers to the network, and every string from a run (samples, names) is HTML-escaped.
 """
 
@@ -31,6 +31,7 @@ from tether.diagnostics.doctor import (
     load_run_config,
     phase_seconds,
 )
+from tether.diagnostics.gold import with_problem_results
 from tether.diagnostics.health import HealthConfig, resolve_bands
 from tether.errors import TetherError
 
@@ -95,7 +96,7 @@ def _read_samples(run_dir: Path) -> tuple[list[dict], str | None]:
 def load_run(run_dir: str | Path, name: str | None = None) -> Run:
     """Read one run directory; ``name`` (default: the folder's name) starts its label."""
     run_dir = Path(run_dir)
-    rows = load_metrics(run_dir)
+    rows = with_problem_results(load_metrics(run_dir), run_dir)
     config = load_run_config(run_dir)
     samples, samples_file = _read_samples(run_dir)
     beta = config_value(config, "kl.coef")
