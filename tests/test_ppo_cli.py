@@ -226,13 +226,14 @@ def test_rollback_on_a_paired_gold_fall_restores_the_last_checkpoint_before_it(f
     alarm_rules.reset()
     out = tmp_path / "run"
     args = [*base_args(files, out), "--steps", "6", "--gold", "alarm_rules:right_twice", "--eval-every", "1",
-            "--eval-n", "16", "--data-eval-fraction", "0.5", "--save-every", "1", "--keep-checkpoints", "6",
-            "--rollback-on-alarm", "true"]
+            "--eval-n", "16", "--eval-samples", "2", "--data-eval-fraction", "0.5", "--save-every", "1",
+            "--keep-checkpoints", "6", "--rollback-on-alarm", "true"]
     args[args.index("tether.rules:char_share")] = "alarm_rules:rising"
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["eval/correct"]) for r in rows] == [(1, "1" * 16), (2, "1" * 16), (3, "0" * 16),
                                                               (4, "0" * 16)]
+    assert len((out / "samples" / "step_4.jsonl").read_text().splitlines()) == 2  # eval.samples: the record has all
     (alert,) = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
     assert alert["step"] == 4 and "since step 3" in alert["alert"] and "16 right -> wrong" in alert["alert"]
     policy = load_file(str(out / "policy" / "model.safetensors"))

@@ -108,7 +108,7 @@ class Band:
             self.measure, "")
 
 
-GOLD_WARN, GOLD_ALARM = 2.054, 3.0  # σ of the gold bands' corrected evidence (one-sided p 0.02, 0.00135)
+GOLD_WARN, GOLD_ALARM = 2.05, 3.0  # σ of the gold bands' corrected evidence (one-sided p 0.0202, 0.00135)
 
 # The table, in the order of the causal chain of reference D.6 (ratio → KL → value → entropy/length →
 # reward hacking): when two bands leave their healthy range at the same step the earlier row is the cause.
