@@ -81,6 +81,8 @@ def last_vs_best(run_dir: Path) -> dict:
 
 
 def fmt_lvb(x: dict) -> str:
+    if x["last"] >= x["best"]:
+        return f"{100 * x['last']:.1f}, at or above its best ({100 * x['best']:.1f} @{x['best_step']})"
     return (f"{100 * x['last']:.1f} vs {100 * x['best']:.1f} @{x['best_step']}, p = {x['p']:.2g}"
             + ("" if x["reward_held"] else ", reward fell"))
 
@@ -122,7 +124,7 @@ def print_table(rows: list[dict]) -> None:
     n = len(rows)
     print(f"\nlift (β > 0 ≥ SFT + 10 points, p < 0.05): {sum(r['lift_ok'] for r in rows)}/{n} seeds; "
           f"split (β = 0: RM score up, gold down, p < 0.05): {sum(r['split_ok'] for r in rows)}/{n}; "
-          f"doctor healthy on β > 0 (every band checked): {sum(r['doctor_pos'] == 'healthy' for r in rows)}/{n}, "
+          f"doctor healthy on β > 0 (every band checked): {sum(r['doctor_pos'] in ('healthy', 'healthy (warning)') for r in rows)}/{n}, "
           f"reward hacking named on β = 0: {sum(r['doctor_zero'].startswith('reward hacking') for r in rows)}/{n}")
     due = [r for r in rows if r["lvb_zero"]["p"] < 0.01 and r["lvb_zero"]["reward_held"]]
     calm = [r for r in rows if r["lvb_pos"]["p"] >= 0.01]

@@ -186,7 +186,8 @@ class GoldHistory:
             point.p = mcnemar_one_sided(point.worse, point.better)
             point.interval = paired_interval(point.worse, point.better, point.n)
             span = list(range(i_best, len(earlier)))
-            if len(span) + 1 >= TREND_MIN_EVALS and all(self._correct[i] is not None for i in span):
+            if len(span) + 1 >= TREND_MIN_EVALS and all(
+                    self._correct[i] is not None and earlier[i].n == point.n for i in span):
                 point.trend_z = trend_z([self._correct[i] for i in span] + [cur],
                                         [earlier[i].step for i in span] + [point.step], point.n)
                 point.p_trend = NormalDist().cdf(-point.trend_z)

@@ -35,7 +35,7 @@ from tether.diagnostics.gold import with_problem_results
 from tether.diagnostics.health import HealthConfig, resolve_bands
 from tether.errors import TetherError
 
-GOLD_TITLE = "Gold metric (held-out accuracy; bars: paired 95% interval; dotted: best so far)"
+GOLD_TITLE = "Gold accuracy (bars: paired 95% vs best so far)"
 # (title, [(metric key, line style)], band name for shading or None, y log scale)
 PANELS = [
     ("Reward (mean sequence score; dots: eval)", [("objective/scores_raw", "-"), ("eval/reward", "o")], None, False),
@@ -166,7 +166,7 @@ def _plots(runs: list[Run], config: HealthConfig) -> tuple[list[tuple[str, str]]
 
 def _paired_bars(ax, gold: list[dict], color: str) -> None:
     """The gold curve's paired intervals: at each evaluation its accuracy ± the 95% half-width of its
-    difference from the best evaluation so far on the same problems (paired Wald, the discordant problems
+    difference from the best earlier evaluation on the same problems (paired Wald, the discordant problems
     carry the variance), and the best so far dotted. A bar whose top stays under the dotted line is a fall
     past noise before the correction for choosing the best (the doctor's z has it)."""
     paired = [p for p in gold if p.get("interval")]
@@ -174,9 +174,9 @@ def _paired_bars(ax, gold: list[dict], color: str) -> None:
         half = [(p["interval"][2] - p["interval"][1]) / 2 for p in paired]
         ax.errorbar([p["step"] for p in paired], [p["accuracy"] for p in paired], yerr=half, fmt="none",
                     ecolor=color, elinewidth=1, capsize=2.5, alpha=0.8)
-    best = [(p["step"], p["best_accuracy"]) for p in gold if p.get("best_accuracy") is not None]
-    if best:
-        ax.step([s for s, _ in best], [b for _, b in best], where="post", ls=":", color=color, lw=1)
+    if gold:
+        best = [max(p["accuracy"] for p in gold[:i + 1]) for i in range(len(gold))]
+        ax.step([p["step"] for p in gold], best, where="post", ls=":", color=color, lw=1)
 
 
 def _gold_html(run: Run) -> str:
