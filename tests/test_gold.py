@@ -198,3 +198,11 @@ def test_false_alarm_simulation_machinery():
     assert sum(bench.alarms(r, 0.0) for r in flat) <= 3  # about 2% expected: 0.8 of 40
     fall = bench.simulated_runs(rng, 20, [0.5, 0.5, 0.5, 0.38, 0.38], 250, lam=0.13, phi=0.62)
     assert sum(bench.alarms(r, 0.0) for r in fall) >= 18
+
+
+def test_upper_tail_keeps_the_far_tail():
+    from tether.diagnostics.gold import upper_tail
+
+    assert upper_tail(0.0) == 0.5 and upper_tail(1.959963985) == pytest.approx(0.025)
+    # 1 − Φ(9.36) = 3.97e-21 (tables; Φ(−9.36) in float through erf is 0.0)
+    assert upper_tail(9.36) == pytest.approx(3.97e-21, rel=0.01) and z_of(upper_tail(9.36)) == pytest.approx(9.36)

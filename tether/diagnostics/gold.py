@@ -60,7 +60,12 @@ def unpaired_p(p_best: float, n_best: float, p: float, n: float) -> float:
     a = (p_best * n_best + 1) / (n_best + 2)
     b = (p * n + 1) / (n + 2)
     se = math.sqrt(a * (1 - a) / (n_best + 2) + b * (1 - b) / (n + 2))
-    return NormalDist().cdf(-(a - b) / se)
+    return upper_tail((a - b) / se)
+
+
+def upper_tail(z: float) -> float:
+    """P[Z ≥ z] for a standard normal Z, ½·erfc(z/√2): exact in the far tail, where 1 − Φ(z) rounds to 0."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def z_of(p: float) -> float:
@@ -134,7 +139,7 @@ class GoldPoint:
     candidates: int = 0  # earlier evaluations the best was chosen from
     p: float = 1.0
     trend_z: float | None = None  # paired trend from the best to now (>= TREND_MIN_EVALS evaluations)
-    p_trend: float = 1.0  # its one-sided p, Φ(−trend_z)
+    p_trend: float = 1.0  # its one-sided p, 1 − Φ(trend_z)
     p_selected: float = 1.0  # min(1, candidates · min(p, p_trend))
     z: float = 0.0
     reward_held: bool = True  # the reward kept at least half its gain since the first evaluation
@@ -190,7 +195,7 @@ class GoldHistory:
                     self._correct[i] is not None and earlier[i].n == point.n for i in span):
                 point.trend_z = trend_z([self._correct[i] for i in span] + [cur],
                                         [earlier[i].step for i in span] + [point.step], point.n)
-                point.p_trend = NormalDist().cdf(-point.trend_z)
+                point.p_trend = upper_tail(point.trend_z)
         elif point.accuracy < best.accuracy:
             point.p = unpaired_p(best.accuracy, best.n, point.accuracy, point.n)
         point.p_selected = min(1.0, point.candidates * min(point.p, point.p_trend))
