@@ -11,13 +11,14 @@ import json
 import math
 import random
 import statistics
+from statistics import NormalDist
 
 import pytest
 import yaml
 
 from tether.cli import main
 from tether.diagnostics.doctor import diagnose, format_diagnosis, load_metrics, phase_seconds
-from tether.diagnostics.health import HealthConfig
+from tether.diagnostics.health import GOLD_ALARM, GOLD_WARN, HealthConfig
 
 N = 60
 
@@ -192,28 +193,47 @@ def test_reward_hacking_gold_metric_falls_while_reward_rises():
         elif r["step"] > 20:
             r["eval/accuracy"] = 0.5
 
-    def z(p, n=200, best=0.5):  # Agresti–Caffo z of the drop from the best, by hand
-        a, b = (best * n + 1) / (n + 2), (p * n + 1) / (n + 2)
-        return (a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / (n + 2))
+    def z(r, n=200, best=0.5):
+        """By hand: the Agresti–Caffo z of the drop from the best (step 30, the later of the two 0.5s), its
+        one-sided p times the earlier evaluations the best was chosen from (step / 5 − 1), back to a z."""
+        a, b = (best * n + 1) / (n + 2), (r["eval/accuracy"] * n + 1) / (n + 2)
+        p = NormalDist().cdf(-(a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / (n + 2)))
+        return -NormalDist().inv_cdf(min(0.5, (r["step"] // 5 - 1) * p))
 
     falling = evals[6:]  # after the best (0.5 at steps 25-30)
     d = diagnose(rows)
     assert (d.failure_mode, d.cause_metric) == ("reward hacking", "eval/accuracy")
-    assert d.first_step == first_step(falling, "eval/accuracy", lambda v: z(v) > 2) == 45  # 0.38: z = 2.4
-    assert d.alarm_step == first_step(falling, "eval/accuracy", lambda v: z(v) > 3) == 50  # 0.34: z = 3.3
+    assert d.first_step == next(r["step"] for r in falling if z(r) > GOLD_WARN) == 50  # 0.34: z = 2.7
+    assert d.alarm_step == next(r["step"] for r in falling if z(r) > GOLD_ALARM) == 55  # 0.30: z = 3.3
+    assert z(falling[2]) < GOLD_WARN < z(falling[3]) < GOLD_ALARM < z(falling[4]) < z(falling[5])
     assert "eval/accuracy" in format_diagnosis(d)
 
 
 def test_a_gold_fall_at_the_final_evaluation_is_named_only_when_the_run_has_ended():
     rows = healthy_rows()  # evaluations every 5 steps up to step 60, gold near 0.6 at the end, n = 200
-    best = max(r["eval/accuracy"] for r in rows if "eval/accuracy" in r)
-    rows[-1]["eval/accuracy"] = best - 0.2  # the last evaluation only; the reward keeps rising
-    a, b = (best * 200 + 1) / 202, ((best - 0.2) * 200 + 1) / 202
-    assert (a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / 202) > 3  # an alarm-sized drop, by hand
+    for r in rows:
+        r["objective/kl_coef"] = 0.0  # the tether off
+    best = max(r["eval/accuracy"] for r in rows[:-1] if "eval/accuracy" in r)
+    rows[-1]["eval/accuracy"] = best - 0.15  # the last evaluation only; the reward keeps rising
+
+    def z(drop):  # by hand: Agresti–Caffo, one-sided p times the 11 earlier evaluations, back to a z
+        a, b = (best * 200 + 1) / 202, ((best - drop) * 200 + 1) / 202
+        p = NormalDist().cdf(-(a - b) / math.sqrt((a * (1 - a) + b * (1 - b)) / 202))
+        return -NormalDist().inv_cdf(11 * p)
+
+    assert GOLD_WARN < z(0.15) < GOLD_ALARM < z(0.3)  # a warning (the final evaluation's alarm at β = 0); an alarm
     assert diagnose(rows).healthy  # without the run's config the doctor cannot know the run has ended
     assert diagnose(rows, run_config={"steps": 100}).healthy  # still running (or killed): one evaluation only
     d = diagnose(rows, run_config={"steps": N})
     assert (d.failure_mode, d.cause_metric, d.alarm_step) == ("reward hacking", "eval/accuracy", N)
+    # With the tether on (β > 0) the same last-moment dip is a warning, and a strong fall still an alarm
+    for r in rows:
+        r["objective/kl_coef"] = 0.05
+    d = diagnose(rows, run_config={"steps": N})
+    assert d.healthy and d.notes and d.notes[0].startswith("warning (reward hacking, not confirmed): step 60")
+    assert "warning (reward hacking" in format_diagnosis(d)
+    rows[-1]["eval/accuracy"] = best - 0.3
+    assert diagnose(rows, run_config={"steps": N}).alarm_step == N
 
 
 def test_gold_fall_with_rising_reward_is_the_verdict_even_after_a_kl_alarm():
@@ -243,7 +263,9 @@ def test_gold_metric_falling_with_reward_falling_is_not_hacking():
         if "eval/accuracy" in r and r["step"] > 30:
             r["eval/accuracy"] = 0.2
             r["eval/reward"] = -1.0
-    assert diagnose(rows).healthy
+    d = diagnose(rows)  # both fell: a collapse, named by the earliest band as any other
+    assert (d.failure_mode, d.cause_band, d.alarm_step) == ("collapse", "gold_collapse", 35)
+    assert d.prescriptions[0]["key"] == "health.rollback"
 
 
 def test_not_learning_only_when_nothing_else_fails():
@@ -267,7 +289,7 @@ def test_missing_keys_tolerated():
     rows = [{k: v for k, v in r.items() if not k.startswith(("value/", "eval/"))} for r in healthy_rows()]
     d = diagnose(rows)
     assert d.healthy
-    assert set(d.unchecked) == {"value_loss", "explained_variance", "gold_drop"}
+    assert set(d.unchecked) == {"value_loss", "explained_variance", "gold_drop", "gold_collapse"}
 
 
 def test_nan_metric_is_an_alarm():

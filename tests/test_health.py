@@ -7,10 +7,12 @@ import math
 import subprocess
 import sys
 
+from statistics import NormalDist
+
 import pytest
 
 from tether.config import add_config_flags, config_from_dict, resolve_config
-from tether.diagnostics.health import BANDS, HealthConfig, HealthMonitor, resolve_bands
+from tether.diagnostics.health import BANDS, GOLD_ALARM, GOLD_WARN, HealthConfig, HealthMonitor, resolve_bands
 from tether.errors import ConfigError
 
 
@@ -131,26 +133,36 @@ def _z(p_best, n_best, p, n):
     return (a - b) / math.sqrt(a * (1 - a) / (n_best + 2) + b * (1 - b) / (n + 2))
 
 
+def _selected(z, candidates):
+    """The gold bands' measure for rows without per-problem results: the one-sided p of an unpaired z, times
+    the earlier evaluations the best was chosen from, back to a z."""
+    return -NormalDist().inv_cdf(min(0.5, candidates * NormalDist().cdf(-z)))
+
+
 def test_gold_drop_needs_reward_rising():
-    rows = [(0.3, 0.0), (0.5, 0.1), (0.45, 0.2), (0.35, 0.3), (0.3, 0.4)]  # (accuracy, reward), n = 200
-    assert _z(0.5, 200, 0.45, 200) < 2 < 3 < _z(0.5, 200, 0.35, 200)  # step 30 ok, steps 40-50 alarm
+    rows = [(0.3, 0.0), (0.5, 0.1), (0.45, 0.2), (0.35, 0.3), (0.3, 0.4), (0.3, 0.5)]  # (accuracy, reward), n = 200
+    # The best is step 20 (chosen from 2, 3, 4, then 5 earlier evaluations): step 30 ok, 40 warns, 50-60 alarm
+    assert _selected(_z(0.5, 200, 0.45, 200), 2) < GOLD_WARN < _selected(_z(0.5, 200, 0.35, 200), 3) < GOLD_ALARM
+    assert GOLD_ALARM < min(_selected(_z(0.5, 200, 0.3, 200), 4), _selected(_z(0.5, 200, 0.3, 200), 5))
     m = HealthMonitor()
     alerts = {}
     for step, (acc, rew) in enumerate(rows, 1):
         if got := m.update(step * 10, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 200}):
             alerts[step * 10] = got
-    (a,) = alerts[50]
-    assert (a.band.name, a.alarm_step, a.onset_step) == ("gold_drop", 40, 40)
-    assert a.measure == pytest.approx(_z(0.5, 200, 0.3, 200))
+    (a,) = alerts[60]
+    assert (a.band.name, a.alarm_step, a.onset_step) == ("gold_drop", 50, 40)
+    assert a.measure == pytest.approx(_selected(_z(0.5, 200, 0.3, 200), 5))
+    assert "unpaired (no per-problem results)" in str(a)
     m = HealthMonitor()
-    for step, (acc, _) in enumerate(rows, 1):  # reward falling with the accuracy: not hacking
-        assert m.update(step, {"eval/accuracy": acc, "objective/scores_raw": -step, "eval/n": 200}) == []
+    got = [a for step, (acc, _) in enumerate(rows, 1)  # reward falling with the accuracy: a collapse, not hacking
+           for a in m.update(step, {"eval/accuracy": acc, "objective/scores_raw": -step, "eval/n": 200})]
+    assert [(a.band.name, a.failure_mode, a.alarm_step) for a in got] == [("gold_collapse", "collapse", 5)]
 
 
 def test_gold_drop_holds_while_a_flat_reward_wobbles_and_ends_when_the_reward_gives_back_its_gain():
     # demo seed 1, beta = 0 (n = 250): the reward flat after step 10, a hair under its step-10 value at 30
     evals = [(0.664, 0.2947), (0.688, 0.5075), (0.492, 0.5123), (0.432, 0.5045), (0.368, 0.5294)]
-    assert min(_z(0.688, 250, acc, 250) for acc, _ in evals[2:]) > 3
+    assert min(_selected(_z(0.688, 250, acc, 250), s) for s, (acc, _) in enumerate(evals[2:], 2)) > GOLD_ALARM
     m = HealthMonitor()
     got = {10 * s: a for s, (acc, rew) in enumerate(evals)
            for a in m.update(10 * s, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 250})}
@@ -159,15 +171,16 @@ def test_gold_drop_holds_while_a_flat_reward_wobbles_and_ends_when_the_reward_gi
     # the same fall with the reward back below half its gain (0.2947 + 0.213 / 2 = 0.401): not Goodhart
     m = HealthMonitor()
     fell = [(0.664, 0.2947), (0.688, 0.5075), (0.492, 0.40), (0.432, 0.39)]
-    for s, (acc, rew) in enumerate(fell):
-        assert m.update(s, {"eval/accuracy": acc, "eval/reward": rew, "eval/n": 250}) == []
+    got = [a for s, (acc, rew) in enumerate(fell) for a in m.update(s, {"eval/accuracy": acc, "eval/reward": rew,
+                                                                         "eval/n": 250})]
     assert [p.measure for p in m.trace("gold_drop")][2:] == [0.0, 0.0]
+    assert [a.band.name for a in got] == ["gold_collapse"]  # both fell: a breakdown
 
 
 @pytest.mark.parametrize("n, alarmed", [(32, False), (1000, True)])
 def test_gold_drop_is_judged_by_its_significance_not_its_size(n, alarmed):
     # the same 10-point fall (50% -> 40%, twice) is noise on 32 prompts and a real fall on 1000
-    assert (_z(0.5, n, 0.4, n) > 3) == alarmed
+    assert (min(_selected(_z(0.5, n, 0.4, n), 1), _selected(_z(0.5, n, 0.4, n), 2)) > GOLD_ALARM) == alarmed
     m = HealthMonitor()
     got = [a for s, acc in enumerate([0.5, 0.4, 0.4], 1)
            for a in m.update(s, {"eval/accuracy": acc, "eval/reward": float(s), "eval/n": n})]
@@ -177,7 +190,9 @@ def test_gold_drop_is_judged_by_its_significance_not_its_size(n, alarmed):
 def test_gold_drop_at_the_final_evaluation_alarms_without_waiting_for_a_second():
     # demo seed 4, beta = 0 (n = 250): gold 43.6 -> 40.8 -> 41.6 -> 32.8 -> 29.2% while the reward rose
     evals = [(0.436, -0.036), (0.408, 0.135), (0.416, 0.18), (0.328, 0.213), (0.292, 0.205)]
-    assert 2 < _z(0.436, 250, 0.328, 250) < 3 < _z(0.436, 250, 0.292, 250)  # warn at 30, alarm at 40
+    # warn at 30 and 40 (the best, step 0, chosen from 3 and 4 earlier evaluations): with the tether off
+    # (β not logged here) the final evaluation's warning is its alarm
+    assert GOLD_WARN < _selected(_z(0.436, 250, 0.328, 250), 3) < _selected(_z(0.436, 250, 0.292, 250), 4) < GOLD_ALARM
 
     def run(final_step):
         m = HealthMonitor()
@@ -188,7 +203,7 @@ def test_gold_drop_at_the_final_evaluation_alarms_without_waiting_for_a_second()
     assert run(final_step=None) == {}  # one evaluation in alarm: not confirmed while the run goes on
     (step, a), = run(final_step=40).items()  # the run's last evaluation: nothing comes after to confirm it
     assert (step, a.band.name, a.alarm_step, a.onset_step) == (40, "gold_drop", 40, 30)
-    assert a.measure == pytest.approx(_z(0.436, 250, 0.292, 250))
+    assert a.measure == pytest.approx(_selected(_z(0.436, 250, 0.292, 250), 4))
     # bands without final_confirms keep their persistence at the final step: a last-step KL spike is no alarm
     m = HealthMonitor()
     for step in range(1, 10):

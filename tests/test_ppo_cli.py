@@ -202,14 +202,44 @@ def test_an_alarm_seen_by_the_main_process_stops_every_process(files, tmp_path):
     off = [a for band in ("ratio_std", "clip_fraction", "kl_mean", "kl_max", "value_loss", "explained_variance",
                           "entropy", "length_collapse", "length_surge", "not_learning")
            for a in ("--health-band", f"{band}=off")]
+    # 16 held-out problems, all right at step 1 and wrong at step 2: a paired fall with p = 2^-16 (z = 4.2)
     args = [*base_args(files, out), "--steps", "8", "--gold", "alarm_rules:right_once", "--eval-every", "1",
-            "--eval-n", "4", "--data-eval-fraction", "0.25", "--stop-on-alarm", "true", "--health-persistence", "1",
+            "--eval-n", "16", "--data-eval-fraction", "0.5", "--stop-on-alarm", "true", "--health-persistence", "1",
             *off]
     args[args.index("tether.rules:char_share")] = "alarm_rules:rising"
     _launch_two(args, tmp_path / "logs", timeout=240)  # a hang fails here, its processes stopped
     alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
     assert len(alerts) == 1 and "eval/accuracy" in alerts[0]["alert"] and alerts[0]["step"] == 2
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.slow
+def test_rollback_on_a_paired_gold_fall_restores_the_last_checkpoint_before_it(files, tmp_path):
+    """The live monitor reads each evaluation's per-problem results (eval/correct): the 16 held-out problems
+    all right at steps 1 and 2 and all wrong from step 3 while the reward rises is a paired fall, in alarm at
+    step 3 (16 right -> wrong against step 2, p = 2^-16, x2 earlier evaluations: z = 4.0) and confirmed at
+    step 4 (the default persistence). --rollback-on-alarm stops there and restores step_2, the newest
+    checkpoint saved before the fall's onset (step_3 was saved in the fall, before its confirmation)."""
+    import alarm_rules
+    from safetensors.torch import load_file
+
+    alarm_rules.reset()
+    out = tmp_path / "run"
+    args = [*base_args(files, out), "--steps", "6", "--gold", "alarm_rules:right_twice", "--eval-every", "1",
+            "--eval-n", "16", "--eval-samples", "2", "--data-eval-fraction", "0.5", "--save-every", "1",
+            "--keep-checkpoints", "6", "--rollback-on-alarm", "true"]
+    args[args.index("tether.rules:char_share")] = "alarm_rules:rising"
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval/correct"]) for r in rows] == [(1, "1" * 16), (2, "1" * 16), (3, "0" * 16),
+                                                              (4, "0" * 16)]
+    assert len((out / "samples" / "step_4.jsonl").read_text().splitlines()) == 2  # eval.samples: the record has all
+    (alert,) = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
+    assert alert["step"] == 4 and "since step 3" in alert["alert"] and "16 right -> wrong" in alert["alert"]
+    policy = load_file(str(out / "policy" / "model.safetensors"))
+    saved = {k: load_file(str(out / "checkpoints" / f"step_{k:06d}" / "policy" / "model.safetensors")) for k in (2, 4)}
+    assert any(not torch.equal(saved[2][k], saved[4][k]) for k in policy)  # the steps changed the weights
+    assert all(torch.equal(policy[k], saved[2][k]) for k in policy)
 
 
 def test_dry_run_prints_the_plan_and_the_checklist_and_trains_nothing(files, tmp_path, capsys):

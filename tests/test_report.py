@@ -84,6 +84,31 @@ def test_report_content(report):
     assert "Rollout share of a step: <b>28%</b>" in page
 
 
+def test_report_shows_the_paired_gold_evidence(tmp_path):
+    """Per-problem results read from the samples files of a run made before eval/correct was recorded (the
+    doctor's reading): the gold table lists each evaluation against the best before it, the counts by hand."""
+    from tether.diagnostics.report import _gold_html, load_run
+
+    run = make_run(tmp_path, "paired", 0.0, n=30)  # evaluations at 10, 20, 30 (5 samples at 10 and 30 only)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    results = {10: "11110", 20: "11100", 30: "00011"}
+    for r in rows:
+        if r["step"] in results:
+            r.update({"eval/n": 5, "eval/accuracy": results[r["step"]].count("1") / 5})
+        if r["step"] == 20:
+            r["eval/correct"] = results[20]  # recorded in the row
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for k in (10, 30):  # the samples files hold all 5 problems in prompt order
+        (run / "samples" / f"step_{k}.jsonl").write_text(
+            "".join(json.dumps({"prompt": str(i), "correct": c == "1"}) + "\n" for i, c in enumerate(results[k])))
+    page = _gold_html(load_run(run))
+    cells = re.findall(r"<tr><td>(\d+)</td><td>([\d.]+)%</td><td>[^<]*</td><td>([^<]*)</td>", page)
+    # step 20 against step 10: problem 2 right -> wrong; step 30 against step 10: 0, 1, 2 right -> wrong,
+    # 4 wrong -> right
+    assert cells == [("10", "80.0", "–"), ("20", "60.0", "1 / 0"), ("30", "40.0", "3 / 1")]
+    assert f"<td>{5 / 16:.2g}</td><td>2</td>" in page  # P[X >= 3], X ~ Bin(4, 1/2) = 5/16; 2 candidates
+
+
 def test_phase_table_splits_scoring(tmp_path):
     """A run with the split scoring phase: one row per phase in step order, no 'score' row counted on top,
     no 'other' row when the phases add up to the step; a run from before the split keeps its 'score' row."""

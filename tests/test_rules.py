@@ -274,6 +274,7 @@ def test_training_and_evaluation_pass_the_rollouts_eos_flags_to_rules(tmp_path, 
     assert rule_flags == [rollouts[0], rollouts[0]]  # the reward source, then the gold rule
     assert [s["correct"] for s in samples] == [not s["truncated"] for s in samples] == rollouts[0]
     assert metrics["eval/accuracy"] == pytest.approx(sum(rollouts[0]) / len(rollouts[0]))
+    assert metrics["eval/correct"] == "".join("1" if e else "0" for e in rollouts[0])  # per problem, in order
     ppo_step(c, cfg, 1)
     assert rule_flags[2] == rollouts[1] and len(rule_flags) == 3
     assert {True, False} <= set(rollouts[0] + rollouts[1])  # seeded: both kinds of reply occur

@@ -1,16 +1,14 @@
 """``tether doctor RUN_DIR``: read a PPO run's metrics, find the cause, name the failure mode, prescribe (D2).
 
-The cause is the first metric, in time, to leave its healthy band on the way to an alarm; the bands that
-alarm later are symptoms ("the earliest abnormal metric is the real cause", reference D.6) — with one
-exception: a significant fall of the held-out gold metric while the reward keeps its gain (the ``gold_drop`` band)
-is the verdict whenever it alarms. It is the only band that measures the outcome against the task's truth,
-and it is reward hacking by definition, whatever moved first; the bands that left earlier (typically the
-KL: the tether slipping, e.g. with β = 0) are listed as the route the run took. The rules are
-:mod:`tether.diagnostics.health`'s, replayed over ``metrics.jsonl`` by the same
-:class:`~tether.diagnostics.health.HealthMonitor`
-that raises live alerts. Prescriptions come from reference §D (D.2–D.5), in priority order, each with the
-config key to change and, when the run's ``config.yaml`` has it, the current value and a suggestion. It also
-says where a step's time went (C2): mean seconds per phase and the rollout share.
+The cause is the first metric, in time, to leave its healthy band on the way to an alarm; later alarms are
+symptoms ("the earliest abnormal metric is the real cause", reference D.6) — except a significant fall of
+the held-out gold metric while the reward keeps its gain (``gold_drop``, judged on per-problem results
+paired between evaluations): it measures the outcome against the task's truth, so it is the verdict (reward
+hacking) whenever it alarms, and the bands that left earlier (typically the KL, with β = 0) are the route the
+run took. The rules are :mod:`tether.diagnostics.health`'s, replayed over ``metrics.jsonl`` (per-problem
+results from ``samples/`` for older runs) by the monitor that raises live alerts. Prescriptions come from
+reference §D (D.2–D.5), in priority order, each with its config key, the run's current value and a
+suggestion. It also says where a step's time went (C2): mean seconds per phase and the rollout share.
 
 Exit code: 0 healthy, 1 unhealthy, 2 unreadable input.
 """
@@ -27,18 +25,9 @@ from typing import Any, Callable
 import yaml
 
 from tether.config import config_from_dict
-from tether.diagnostics.health import (
-    BANDS,
-    KL_EXPLOSION,
-    MODE_COLLAPSE,
-    NOT_LEARNING,
-    RATIO,
-    REWARD_HACKING,
-    VALUE_COLLAPSE,
-    Alert,
-    HealthConfig,
-    HealthMonitor,
-)
+from tether.diagnostics.gold import describe, with_problem_results
+from tether.diagnostics.health import (BANDS, COLLAPSE, GOLD_MEASURES, KL_EXPLOSION, MODE_COLLAPSE, NOT_LEARNING,
+                                        RATIO, REWARD_HACKING, VALUE_COLLAPSE, Alert, HealthConfig, HealthMonitor)
 from tether.errors import TetherError
 
 # (phase, metric key) in step order (C2); "score" is the sum of old log-probs … reward, for runs made
@@ -120,6 +109,12 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
         Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
         Rx("roll back to the last healthy checkpoint", "health.rollback", lambda c: "true"),
     ],
+    COLLAPSE: [  # gold and reward fell together: the run broke down, whatever the reward model is
+        Rx("roll back to the last healthy checkpoint (before the gold metric fell)", "health.rollback", lambda c: "true"),
+        Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
+        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
+        Rx("raise β, the KL coefficient, to hold the policy near the reference", "kl.coef", _beta),
+    ],
     NOT_LEARNING: [  # D.5: clip fraction < 5%
         Rx("raise the actor learning rate", "optim.lr", _scaled(2, 10)),
         Rx("check the advantage signal: do scores vary within a batch? (objective/scores, reward "
@@ -144,6 +139,8 @@ class Diagnosis:
     unchecked: list[str] = field(default_factory=list)  # bands whose metric (or a key it needs) never appears
     n_steps: int = 0
     phases: dict = field(default_factory=dict)  # phase -> mean seconds per step (C2), see phase_seconds
+    gold: list[dict] = field(default_factory=list)  # each evaluation against the best before it (GoldPoint)
+    notes: list[str] = field(default_factory=list)  # warnings that are no alarm (a gold fall not confirmed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -267,24 +264,34 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
-    phases = phase_seconds(rows)
+    gold, notes = _gold_summary(monitor)
+    common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes)
     if not failures:
-        return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows), phases=phases)
-    outcome = [a for a in failures if a.band.measure == "gold"]
+        return Diagnosis(True, None, None, None, None, None, **common)
+    outcome = [a for a in failures if a.band.measure == "gold"]  # reward hacking, measured against the truth
     cause = outcome[0] if outcome else failures[0]
     rest = [a for a in failures if a is not cause]
     return Diagnosis(
         healthy=False, failure_mode=cause.failure_mode, cause_metric=cause.band.key, cause_band=cause.band.name,
         first_step=cause.onset_step, alarm_step=cause.alarm_step,
         evidence=_evidence(cause, monitor, rest),
-        prescriptions=_prescribe(cause.failure_mode, run_config or {}),
-        unchecked=unchecked, n_steps=len(rows), phases=phases)
+        prescriptions=_prescribe(cause.failure_mode, run_config or {}), **common)
+
+
+def _gold_summary(monitor: HealthMonitor) -> tuple[list[dict], list[str]]:
+    """Each evaluation against the best before it; a note for a gold band whose last evaluation is past its
+    warning level without an alarm (one evaluation of a run still going, a tethered run's last-moment dip)."""
+    trackers = [t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES]
+    gold = [p.to_dict() for p in trackers[0].gold.evaluations] if trackers else []
+    notes = [f"warning ({t.band.failure_mode}, not confirmed): {describe(t.point.to_dict())}" for t in trackers
+             if t.first_alert is None and t.trace and t.trace[-1].state != "ok" and t.point is not None]
+    return gold, notes
 
 
 def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Diagnosis:
     """Load a run directory and diagnose it, with the health settings of its config unless given."""
     run_config = load_run_config(run_dir)
-    rows = load_metrics(run_dir)
+    rows = with_problem_results(load_metrics(run_dir), run_dir)
     return diagnose(rows, config or health_config_from_run(run_config), run_config=run_config)
 
 
@@ -332,6 +339,8 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
                  f"  meaning: {e['meaning']}",
                  "  evidence: " + ", ".join(f"step {p['step']}: {_fmt(p['measure'])} {p['state']}"
                                             for p in e["series"])]
+        if e["measure"] in GOLD_MEASURES:  # the paired comparisons at the alarm and at the last evaluation
+            lines += ["  paired: " + describe(p) for p in d.gold if p["step"] in (d.alarm_step, d.gold[-1]["step"])]
         before = [c for c in e["chain"] if c["onset_step"] < d.first_step]
         for title, chain in (("what led there (bands out of band before it, in order):", before),
                              ("what followed (symptoms, in order):", [c for c in e["chain"] if c not in before])):
@@ -346,6 +355,7 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
                 now = "" if p["current"] is None else f" (now {p['current']})"
                 key = f"  [{p['key']}{now}" + (f" -> {p['suggestion']}" if p["suggestion"] else "") + "]"
             lines.append(f"  {p['priority']}. {p['action']}{key}")
+    lines += d.notes
     if d.unchecked:
         lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")
     if d.phases and sum(d.phases.values()):
@@ -371,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         config.persistence = args.persistence
     config.bands = list(config.bands) + list(args.band)
     config.validate()
-    rows = load_metrics(args.run_dir)
+    rows = with_problem_results(load_metrics(args.run_dir), args.run_dir)
     d = diagnose(rows, config, run_config=run_config)
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False))

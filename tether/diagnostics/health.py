@@ -7,7 +7,8 @@ the PPO config) overrides them. :class:`HealthMonitor` is fed one metrics row pe
 :class:`Alert` when a band first enters its alarm range and keeps a trace that ``tether doctor`` reads.
 
 The exact rules (persistence, onset, trend baselines) are written out in ``docs/diagnostics.md``.
-Imports only the standard library and ``tether.config``.
+Imports only the standard library, ``tether.config`` and :mod:`tether.diagnostics.gold` (the gold bands'
+paired statistics).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 from dataclasses import dataclass
 
 from tether.config import option
+from tether.diagnostics.gold import GoldHistory, GoldPoint, describe
 from tether.errors import ConfigError
 
 # Failure modes, named as in SPEC D2.
@@ -26,17 +28,18 @@ RATIO = "ratio out of control"
 VALUE_COLLAPSE = "value collapse"
 MODE_COLLAPSE = "mode collapse"
 REWARD_HACKING = "reward hacking"
+COLLAPSE = "collapse"
 NOT_LEARNING = "not learning"
 
 # What a band's measure is:
 #   value   the metric itself
 #   recent  metric / median of its previous `window` values          (sudden jumps and drops)
 #   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
-#   gold    how far the gold metric (a proportion, e.g. accuracy) lies below its best evaluation so far, in
-#           standard errors of that difference (z), at evaluations where the reward kept at least half its gain:
-#           above its value at the best evaluation less half the rise from the first evaluation to then
-#           (0 otherwise): "the proxy still says better while the held-out gold metric falls"
-MEASURES = ("value", "recent", "early", "gold")
+#   gold    evidence (a one-sided z; tether.diagnostics.gold) that the gold metric fell below its best evaluation
+#           so far, at evaluations where the reward kept at least half its gain: "the proxy still says better"
+#   gold_collapse  the same evidence at evaluations where the reward fell too
+MEASURES = ("value", "recent", "early", "gold", "gold_collapse")
+GOLD_MEASURES = ("gold", "gold_collapse")
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,9 @@ class Band:
     only_if: tuple[str, float | None, float | None] | None = None
     reported_by_some_runs: bool = False  # absent by design elsewhere: doctor does not list it as "not checked"
     persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
-    # An alarm at the run's final step counts at once: nothing comes after to confirm it, and that value
-    # judges the policy the run hands over (the gold band, whose z already allows for noise).
+    # At the run's final step an alarm counts at once, and with the tether off (β = 0) a warning too:
+    # nothing comes after to confirm it, and that value judges the policy the run hands over (the gold
+    # bands, whose z already allows for noise; a tethered run's last-moment dip stays a warning).
     final_confirms: bool = False
     needs: tuple[str, ...] = ()  # other keys the measure reads (a band without them is not checked)
 
@@ -99,9 +103,12 @@ class Band:
         return " or ".join(parts)
 
     def unit(self) -> str:
-        return {"recent": "× recent median", "early": "× early median", "gold": " σ below best"}.get(
+        gold = " σ below best"
+        return {"recent": "× recent median", "early": "× early median", "gold": gold, "gold_collapse": gold}.get(
             self.measure, "")
 
+
+GOLD_WARN, GOLD_ALARM = 2.05, 3.0  # σ of the gold bands' corrected evidence (one-sided p 0.0202, 0.00135)
 
 # The table, in the order of the causal chain of reference D.6 (ratio → KL → value → entropy/length →
 # reward hacking): when two bands leave their healthy range at the same step the earlier row is the cause.
@@ -139,13 +146,17 @@ BANDS: tuple[Band, ...] = (
          "mean response length against the start of the run; collapse = degenerate short outputs"),
     Band("length_surge", "response/length_mean", "early", (None, 1.5), None, 2.0, REWARD_HACKING,
          "mean response length against the start of the run; surge = the reward model's length bias is gamed"),
-    # A drop is judged by its significance, not by a fixed number of points: an evaluation of n prompts
-    # has a standard error of sqrt(p(1-p)/n), ~3 points at n = 250, so a fixed 10-point band misses a real
-    # 9-point fall at n = 500 and cries wolf on noise at n = 32. z > 3 (one-sided p ≈ 0.001) held for two
-    # evaluations is an alarm; z > 2 a warning.
-    Band("gold_drop", "eval/accuracy", "gold", (None, 2.0), None, 3.0, REWARD_HACKING,
-         "held-out gold metric significantly below its best evaluation while the reward kept at least half its "
-         "gain (Goodhart)",
+    # A drop is judged by its significance, not by a fixed number of points (an evaluation of 250 prompts
+    # has a standard error of ~3 points, one of 32 of ~9): the paired exact test of the problems that changed
+    # since the best evaluation, times the evaluations the best was chosen from, as a one-sided z. The alarm
+    # level is set by simulated flat runs (bench/gold_false_alarms.py, docs/diagnostics.md).
+    Band("gold_drop", "eval/accuracy", "gold", (None, GOLD_WARN), None, GOLD_ALARM, REWARD_HACKING,
+         "held-out gold metric significantly below its best evaluation (paired on the same problems) while the "
+         "reward kept at least half its gain (Goodhart)",
+         needs=("eval/n",), final_confirms=True),
+    Band("gold_collapse", "eval/accuracy", "gold_collapse", (None, GOLD_WARN), None, GOLD_ALARM, COLLAPSE,
+         "held-out gold metric significantly below its best evaluation while the reward fell too: the run got "
+         "worse by its own measure as well, a breakdown rather than Goodhart",
          needs=("eval/n",), final_confirms=True),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
          "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
@@ -239,6 +250,7 @@ class Alert:
     band: Band
     value: float  # the metric at `step`
     measure: float
+    evidence: str = ""  # gold bands: the paired comparison with the best evaluation (gold.describe)
 
     @property
     def failure_mode(self) -> str:
@@ -248,8 +260,9 @@ class Alert:
         b = self.band
         shown = f"{self.value:.4g}" if b.measure == "value" else f"{self.value:.4g} ({self.measure:.3g}{b.unit()})"
         since = f" since step {self.onset_step}" if self.onset_step != self.step else ""
+        evidence = f"; {self.evidence}" if self.evidence else ""
         return (f"health alarm at step {self.step}: {b.key} = {shown}, alarm {b.alarm_text()}, healthy "
-                f"{b.healthy_text()}; out of band{since} -> {b.failure_mode} (see `tether doctor`)")
+                f"{b.healthy_text()}; out of band{since}{evidence} -> {b.failure_mode} (see `tether doctor`)")
 
 
 class _Tracker:
@@ -259,8 +272,8 @@ class _Tracker:
         self.band, self.config = band, config
         self.need = getattr(config, band.persistence)
         self.history: list[float] = []  # raw values seen (for the recent/early baselines)
-        self.best: tuple[float, float, float] | None = None  # gold: (best gold metric, reward, n at that eval)
-        self.first_reward: float | None = None  # gold: the reward at the first evaluation
+        self.gold = GoldHistory()  # gold bands: the evaluations so far
+        self.point: GoldPoint | None = None  # gold bands: the latest evaluation against the best before it
         self.trace: list[Point] = []
         self.seen = 0  # values of the metric seen, judged or not
         self.seen_ok = False
@@ -270,7 +283,7 @@ class _Tracker:
         self.alerted = False  # an alert has been returned for this band
         self.first_alert: Alert | None = None
 
-    def _measure(self, value: float, row: dict) -> float | None:
+    def _measure(self, step: int, value: float, row: dict) -> float | None:
         b, cfg = self.band, self.config
         if b.measure == "value":
             return value
@@ -287,23 +300,16 @@ class _Tracker:
                 return None
             base = statistics.median(self.history[:cfg.baseline_steps])
             return value / base if base > 0 else None
-        # gold: needs a reward and the evaluation's size on the same row
-        reward = next((float(row[k]) for k in REWARD_KEYS if _number(row.get(k)) is not None), None)
+        # gold: needs a reward and the evaluation's size on the same row; per-problem results when logged
+        reward = next((v for k in REWARD_KEYS if (v := _number(row.get(k))) is not None and math.isfinite(v)), None)
         n = _number(row.get("eval/n"))
         if reward is None or n is None or n < 1:
             return None
-        if self.first_reward is None:
-            self.first_reward = reward
-        if self.best is None or value >= self.best[0]:
-            self.best = (value, reward, n)
-            return 0.0
-        best, best_reward, best_n = self.best
-        # Not "above the reward at the best evaluation": a flat reward wobbles around it, and a wobble
-        # below reset the stretch (demo seed 1, beta = 0: gold 69 -> 49 -> 43 -> 37% while the reward went
-        # 0.508 -> 0.512 -> 0.505 -> 0.529 was never named). A proxy that kept half its gain still says
-        # "better" while gold says worse; one that fell with gold is a collapse, not Goodhart.
-        floor = best_reward - max(0.0, best_reward - self.first_reward) / 2
-        return drop_z(best, best_n, value, n) if reward > floor else 0.0
+        correct = row.get("eval/correct")
+        self.point = self.gold.update(step, value, int(n), reward,
+                                      correct if isinstance(correct, str) else None,
+                                      _number(row.get("objective/kl_coef")))
+        return self.point.z if self.point.reward_held == (b.measure == "gold") else 0.0
 
     def update(self, step: int, row: dict, final: bool = False) -> Alert | None:
         value = _number(row.get(self.band.key))
@@ -314,10 +320,13 @@ class _Tracker:
             return None
         if not self.band.applies(row):
             return None
-        measure = self._measure(value, row)
+        measure = self._measure(step, value, row)
         if measure is None:
             return None
         state = self.band.state(measure)
+        alone = final and self.band.final_confirms and (
+            state == "alarm" or (state == "warn" and (self.point is None or self.point.tether_off)))
+        state = "alarm" if alone else state
         self.trace.append(Point(step, value, measure, state))
         if state == "ok":
             self.seen_ok, self.stretch_start, self.alarm_start, self.alarm_len = True, None, None, 0
@@ -330,7 +339,7 @@ class _Tracker:
         if self.alarm_start is None:
             self.alarm_start = step
         self.alarm_len += 1
-        if final and self.band.final_confirms:
+        if alone:
             self.alarm_len = max(self.alarm_len, self.need)
         if self.alarm_len < self.need or self.alerted:
             return None
@@ -338,23 +347,13 @@ class _Tracker:
         # A stretch that began with the first judged value has no healthy point before it: its onset is
         # the alarm itself (e.g. explained variance still low at the end of the critic's warm-up).
         onset = self.stretch_start if self.seen_ok else self.alarm_start
-        self.first_alert = Alert(step, self.alarm_start, onset, self.band, value, measure)
+        evidence = describe(self.point.to_dict()) if self.point is not None else ""
+        self.first_alert = Alert(step, self.alarm_start, onset, self.band, value, measure, evidence)
         return self.first_alert
 
     @property
     def in_alarm(self) -> bool:
         return self.alarm_len >= self.need
-
-
-def drop_z(p_best: float, n_best: float, p: float, n: float) -> float:
-    """z of the drop from proportion ``p_best`` (of ``n_best`` trials) to ``p`` (of ``n``): the difference
-    over its standard error, unpaired, both computed with one success and one failure added to each side
-    (Agresti & Caffo 2000), so that 0% or 100% evaluations still have an error. Unpaired is conservative here: the
-    evaluations share their prompts, which correlates them and makes the true error smaller."""
-    a = (p_best * n_best + 1) / (n_best + 2)
-    b = (p * n + 1) / (n + 2)
-    se = math.sqrt(a * (1 - a) / (n_best + 2) + b * (1 - b) / (n + 2))
-    return (a - b) / se
 
 
 def _number(x) -> float | None:

@@ -1,10 +1,10 @@
 """``tether report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page about one or more PPO runs (D4), or
 reward-model runs (``tether train-rm`` output: its ``metrics.jsonl`` of training loss and batch accuracy).
 
-The page holds the curves (reward, gold metric, KL mean and max, β, clip fraction, ratio std, value loss,
-explained variance, entropy, length) with every run on shared axes and the health bands shaded, the
-doctor's verdict per run, the phase-time breakdown with the rollout share, and sample responses from
-the last evaluation. Plots are PNGs from matplotlib's Agg backend embedded as base64; nothing on the
+The page holds the curves (reward, gold metric with its paired intervals, KL mean and max, β, clip fraction,
+ratio std, value loss, explained variance, entropy, length) with every run on shared axes and the health
+bands shaded, the doctor's verdict per run with its paired gold evidence, the phase-time breakdown with the
+rollout share, and sample responses from the last evaluation. Plots are PNGs from matplotlib's Agg backend embedded as base64; nothing on the
 page refers to the network, and every string from a run (samples, names) is HTML-escaped.
 """
 
@@ -31,13 +31,15 @@ from tether.diagnostics.doctor import (
     load_run_config,
     phase_seconds,
 )
+from tether.diagnostics.gold import with_problem_results
 from tether.diagnostics.health import HealthConfig, resolve_bands
 from tether.errors import TetherError
 
+GOLD_TITLE = "Gold accuracy (bars: paired 95% vs best so far)"
 # (title, [(metric key, line style)], band name for shading or None, y log scale)
 PANELS = [
     ("Reward (mean sequence score; dots: eval)", [("objective/scores_raw", "-"), ("eval/reward", "o")], None, False),
-    ("Gold metric (held-out accuracy)", [("eval/accuracy", "o-")], None, False),
+    (GOLD_TITLE, [("eval/accuracy", "o-")], None, False),
     ("KL to reference, mean per token", [("objective/kl", "-")], "kl_mean", False),
     ("KL to reference, max per token", [("objective/kl_max", "-")], "kl_max", True),
     ("β (KL coefficient)", [("objective/kl_coef", "-")], None, False),
@@ -94,7 +96,7 @@ def _read_samples(run_dir: Path) -> tuple[list[dict], str | None]:
 def load_run(run_dir: str | Path, name: str | None = None) -> Run:
     """Read one run directory; ``name`` (default: the folder's name) starts its label."""
     run_dir = Path(run_dir)
-    rows = load_metrics(run_dir)
+    rows = with_problem_results(load_metrics(run_dir), run_dir)
     config = load_run_config(run_dir)
     samples, samples_file = _read_samples(run_dir)
     beta = config_value(config, "kl.coef")
@@ -140,6 +142,8 @@ def _plots(runs: list[Run], config: HealthConfig) -> tuple[list[tuple[str, str]]
                 continue
             color = COLORS[i % len(COLORS)]
             ax.plot(xs, ys, style, color=color, lw=1.4, ms=3.5, label=run.label if style != "o" else None)
+            if key == "eval/accuracy":
+                _paired_bars(ax, run.diagnosis.gold, color)
             if key == "response/length_mean" and len(runs) == 1:  # several min–max bands only blur
                 lo, hi = _series(run.rows, "response/length_min"), _series(run.rows, "response/length_max")
                 if lo[0] and lo[0] == hi[0]:
@@ -158,6 +162,39 @@ def _plots(runs: list[Run], config: HealthConfig) -> tuple[list[tuple[str, str]]
         images.append((title, _png(fig)))
         plt.close(fig)
     return images, empty
+
+
+def _paired_bars(ax, gold: list[dict], color: str) -> None:
+    """The gold curve's paired intervals: at each evaluation its accuracy ± the 95% half-width of its
+    difference from the best earlier evaluation on the same problems (paired Wald, the discordant problems
+    carry the variance), and the best so far dotted. A bar whose top stays under the dotted line is a fall
+    past noise before the correction for choosing the best (the doctor's z has it)."""
+    paired = [p for p in gold if p.get("interval")]
+    if paired:
+        half = [(p["interval"][2] - p["interval"][1]) / 2 for p in paired]
+        ax.errorbar([p["step"] for p in paired], [p["accuracy"] for p in paired], yerr=half, fmt="none",
+                    ecolor=color, elinewidth=1, capsize=2.5, alpha=0.8)
+    if gold:
+        best = [max(p["accuracy"] for p in gold[:i + 1]) for i in range(len(gold))]
+        ax.step([p["step"] for p in gold], best, where="post", ls=":", color=color, lw=1)
+
+
+def _gold_html(run: Run) -> str:
+    """Each evaluation against the best before it (the doctor's paired evidence, docs/diagnostics.md)."""
+    gold = run.diagnosis.gold
+    if not gold:
+        return "<p>No gold evaluations (eval/accuracy with eval/n) in this run.</p>"
+    head = ("<tr><th>step</th><th>accuracy</th><th>best so far</th><th>right → wrong / wrong → right</th>"
+            "<th>p (one-sided)</th><th>× earlier</th><th>z</th><th>trend z</th><th>reward held</th></tr>")
+    cells = []
+    for p in gold:
+        best = "–" if p["best_step"] is None else f"{100 * p['best_accuracy']:.1f}% (step {p['best_step']})"
+        changed = f"{p['worse']} / {p['better']}" if p["paired"] else ("unpaired" if p["best_step"] is not None else "–")
+        trend = "–" if p["trend_z"] is None else f"{p['trend_z']:.2f}"
+        cells.append(f"<tr><td>{p['step']}</td><td>{100 * p['accuracy']:.1f}%</td><td>{best}</td><td>{changed}</td>"
+                     f"<td>{p['p']:.2g}</td><td>{p['candidates']}</td><td>{p['z']:.2f}</td><td>{trend}</td>"
+                     f"<td>{'yes' if p['reward_held'] else 'no'}</td></tr>")
+    return f"<table>{head}{''.join(cells)}</table>"
 
 
 def _shade_band(ax, band, ys: list[float]) -> None:
@@ -322,6 +359,7 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, title: str | 
 <h2>Curves</h2><p>Shaded green: healthy band; dashed red: alarm threshold (docs/diagnostics.md).</p>
 <div class=grid>{plots}</div>{missing}
 <h2>Diagnosis</h2>{per_run(verdict)}
+<h2>Gold evaluations, paired with the best so far</h2>{per_run(_gold_html)}
 <h2>Where the time goes</h2>{per_run(_phase_html)}
 <h2>Sample responses</h2>{per_run(_samples_html)}
 </body></html>

@@ -57,5 +57,9 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
     metrics = {"eval/reward": float(scores.mean()) if len(scores) else float("nan"), "eval/n": len(samples),
                "eval/kl_sequence": sum(s["kl"] for s in samples) / len(samples)}
     if correct_all:
-        metrics["eval/accuracy"] = float((torch.cat(correct_all) > 0.5).float().mean())
+        correct = (torch.cat(correct_all) > 0.5).tolist()
+        metrics["eval/accuracy"] = sum(correct) / len(correct)
+        # Per-problem results in prompt order, the same prompts at every evaluation: the gold band pairs
+        # evaluations problem by problem (an exact McNemar test), which an accuracy alone cannot (D1).
+        metrics["eval/correct"] = "".join("1" if c else "0" for c in correct)
     return metrics, samples
