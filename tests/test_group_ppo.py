@@ -16,7 +16,7 @@ from tiny import make_policy_dir, make_prompts_file, tiny_config
 import tether.ppo.step as step_module
 import tether.ppo.update as update_module
 from tether.cli import main
-from tether.core.group import CRITIC_FREE, critic_free_advantages
+from tether.core.group import CRITIC_FREE
 from tether.errors import ConfigError
 from tether.ppo.setup import setup
 from tether.ppo.step import ppo_step

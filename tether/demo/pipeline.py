@@ -116,10 +116,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
              concurrent: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tether.demo.pairs import make_preference_pairs
-    from tether.demo.sft import gold_accuracy, sft_to_accuracy, sft_train
+    from tether.demo.sft import gold_accuracy
     from tether.demo.side_by_side import run_side_by_side, usable_cores
-    from tether.demo.task import build_policy, build_tokenizer, split_problems
     from tether.core.stats import mcnemar_exact
 
     settings = settings or (QUICK if quick else FULL)
@@ -130,51 +128,10 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     stages = Stages()
     t_start = time.perf_counter()
     print(f"tether demo ({'quick' if quick else 'full'}, seed {seed}) -> {out}")
-
-    with stages("a. tokenizer and tiny policy from a config"):
-        tokenizer = build_tokenizer(out / "sft")
-        policy = build_policy(tokenizer, seed=seed)
-        train, held_out = split_problems(seed, settings.n_train, settings.n_eval, digits=settings.digits)
-        dev, train = train[:200], train[200:]
-        print(f"   GPT-2 {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters, "
-              f"{len(tokenizer)}-token character vocabulary; {len(train)} train / {len(held_out)} held-out problems")
-
-    with stages("b. SFT on addition"):
-        # Stopped when the right answer is within reach of sampling for most dev problems (pass@8), since
-        # that is all RL can amplify. Stopped at a greedy target instead, the former 3-digit task's seed 0
-        # landed between two jumps (a units digit not yet learned, written as a near-constant), so PPO never
-        # sampled it and moved the mass to other wrong digits the reward model disliked less (docs/demo.md).
-        sft = sft_to_accuracy(policy, tokenizer, train, dev[: settings.sft_dev], settings.sft_target,
-                              settings.sft_max_steps, check_every=25, fine_every=5, pass_k=8, seed=seed,
-                              batch_size=64, lr=1e-3, progress=False)
-        policy.save_pretrained(out / "sft")
-        sft_eval = gold_accuracy(policy, tokenizer, held_out)
-        print(f"   {sft['steps']} SFT steps (dev pass@8 {100 * sft['dev_curve'][-1][1]:.0f}%); held-out gold "
-              f"accuracy (greedy) {fmt_interval(sft_eval)}")
-
-    with stages("c. preference pairs from SFT samples, labelled by the gold rule"):
-        pair_problems = train[: settings.pair_prompts]
-        pairs, pair_stats = make_preference_pairs(policy, tokenizer, pair_problems, settings.samples_per_prompt,
-                                                  temperature=1.0, seed=seed, max_pairs_per_prompt=3,
-                                                  progress=False)
-        (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
-        print(f"   {pair_stats['n_pairs']} pairs from {pair_stats['prompts_with_both']} prompts with both a right "
-              f"and a wrong sample (sample accuracy {100 * pair_stats['sample_accuracy']:.0f}%)")
-
-    with stages("d. reward model (Bradley-Terry) on the pairs"):
-        # The RM's backbone is the SFT model trained further (a stronger verifier, as InstructGPT's RM
-        # comes from its own SFT run); the pairs are still the partly-competent policy's own samples.
-        sft_train(policy, tokenizer, train, settings.rm_backbone_steps, batch_size=64, lr=1e-3, seed=seed + 1,
-                  progress=False)
-        policy.save_pretrained(out / "rm_backbone")
-        # The reward model reads its score at an [EOS] after the reply. Read at the reply's last digit, the
-        # score sat at a different position for answers of different lengths, and the head learned a check
-        # for one length only (measured on the former 3-digit task: 50% vs 100% for 4-digit answers).
-        build_tokenizer(out / "rm_backbone", eos_after_text=True)
-        rm_eval = train_demo_rm(out, pairs, settings, seed)
-
-    ppo_prompts = write_prompts(out / "prompts_train.jsonl", train)
-    eval_prompts = write_prompts(out / "prompts_heldout.jsonl", held_out)
+    prepared = prepare_policy_and_rm(out, settings, seed, stages)
+    tokenizer, held_out, sft, sft_eval = (prepared[k] for k in ("tokenizer", "held_out", "sft", "sft_eval"))
+    pair_stats, rm_eval, ppo_prompts, eval_prompts = (prepared[k] for k in ("pair_stats", "rm_eval", "ppo_prompts",
+                                                                            "eval_prompts"))
     betas = {f"beta_{BETA:g}": BETA, "beta_0": 0.0}
     runs = {name: out / f"ppo_{name}" for name in betas}
     # side by side, one process each, when the cores allow: the same numbers as one after the other
@@ -225,6 +182,62 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     return results
 
 
+def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: Stages) -> dict:
+    """Stages (a)-(d) into ``out``: tokenizer and tiny policy, SFT, preference pairs from its samples, the reward
+    model; and the PPO prompt files. Called after ``torch.manual_seed(seed)`` (the demo's, and
+    bench/group_baselines.py's, which reuses each seed's SFT policy and reward model across estimators)."""
+    from tether.demo.pairs import make_preference_pairs
+    from tether.demo.sft import gold_accuracy, sft_to_accuracy, sft_train
+    from tether.demo.task import build_policy, build_tokenizer, split_problems
+
+    with stages("a. tokenizer and tiny policy from a config"):
+        tokenizer = build_tokenizer(out / "sft")
+        policy = build_policy(tokenizer, seed=seed)
+        train, held_out = split_problems(seed, settings.n_train, settings.n_eval, digits=settings.digits)
+        dev, train = train[:200], train[200:]
+        print(f"   GPT-2 {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters, "
+              f"{len(tokenizer)}-token character vocabulary; {len(train)} train / {len(held_out)} held-out problems")
+
+    with stages("b. SFT on addition"):
+        # Stopped when the right answer is within reach of sampling for most dev problems (pass@8), since
+        # that is all RL can amplify. Stopped at a greedy target instead, the former 3-digit task's seed 0
+        # landed between two jumps (a units digit not yet learned, written as a near-constant), so PPO never
+        # sampled it and moved the mass to other wrong digits the reward model disliked less (docs/demo.md).
+        sft = sft_to_accuracy(policy, tokenizer, train, dev[: settings.sft_dev], settings.sft_target,
+                              settings.sft_max_steps, check_every=25, fine_every=5, pass_k=8, seed=seed,
+                              batch_size=64, lr=1e-3, progress=False)
+        policy.save_pretrained(out / "sft")
+        sft_eval = gold_accuracy(policy, tokenizer, held_out)
+        print(f"   {sft['steps']} SFT steps (dev pass@8 {100 * sft['dev_curve'][-1][1]:.0f}%); held-out gold "
+              f"accuracy (greedy) {fmt_interval(sft_eval)}")
+
+    with stages("c. preference pairs from SFT samples, labelled by the gold rule"):
+        pair_problems = train[: settings.pair_prompts]
+        pairs, pair_stats = make_preference_pairs(policy, tokenizer, pair_problems, settings.samples_per_prompt,
+                                                  temperature=1.0, seed=seed, max_pairs_per_prompt=3,
+                                                  progress=False)
+        (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+        print(f"   {pair_stats['n_pairs']} pairs from {pair_stats['prompts_with_both']} prompts with both a right "
+              f"and a wrong sample (sample accuracy {100 * pair_stats['sample_accuracy']:.0f}%)")
+
+    with stages("d. reward model (Bradley-Terry) on the pairs"):
+        # The RM's backbone is the SFT model trained further (a stronger verifier, as InstructGPT's RM
+        # comes from its own SFT run); the pairs are still the partly-competent policy's own samples.
+        sft_train(policy, tokenizer, train, settings.rm_backbone_steps, batch_size=64, lr=1e-3, seed=seed + 1,
+                  progress=False)
+        policy.save_pretrained(out / "rm_backbone")
+        # The reward model reads its score at an [EOS] after the reply. Read at the reply's last digit, the
+        # score sat at a different position for answers of different lengths, and the head learned a check
+        # for one length only (measured on the former 3-digit task: 50% vs 100% for 4-digit answers).
+        build_tokenizer(out / "rm_backbone", eos_after_text=True)
+        rm_eval = train_demo_rm(out, pairs, settings, seed)
+
+    ppo_prompts = write_prompts(out / "prompts_train.jsonl", train)
+    eval_prompts = write_prompts(out / "prompts_heldout.jsonl", held_out)
+    return {"tokenizer": tokenizer, "train": train, "held_out": held_out, "sft": sft, "sft_eval": sft_eval,
+            "pair_stats": pair_stats, "rm_eval": rm_eval, "ppo_prompts": ppo_prompts, "eval_prompts": eval_prompts}
+
+
 def environment() -> dict:
     """What the numbers depend on beyond the seed: they repeat exactly only where all of these match."""
     import platform
@@ -252,8 +265,15 @@ def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: in
 
 def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
                  settings: DemoSettings, seed: int) -> Path:
-    from tether.ppo.config import RunConfig
     from tether.ppo.train import train
+
+    return train(demo_ppo_config(run_dir, out, prompts, eval_prompts, beta, settings, seed))
+
+
+def demo_ppo_config(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
+                    settings: DemoSettings, seed: int):
+    """The demo's PPO run config (GAE, a critic from the reward model), validated."""
+    from tether.ppo.config import RunConfig
 
     cfg = RunConfig()
     cfg.output_dir, cfg.seed, cfg.steps, cfg.batch_size = str(run_dir), seed, settings.ppo_steps, settings.ppo_batch
@@ -271,7 +291,7 @@ def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, be
     # a step-0 evaluation of the SFT policy: the baseline that the curves and the doctor's gold band start from
     cfg.eval.at_start = True
     cfg.validate()
-    return train(cfg)
+    return cfg
 
 
 def curves(run_dir: Path) -> dict:
