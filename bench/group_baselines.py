@@ -37,13 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = {
-    "gae": {},
-    "rloo": {"advantage.estimator": "rloo", "samples_per_prompt": 4},
-    "grpo": {"advantage.estimator": "grpo", "samples_per_prompt": 4},
-    "dr_grpo": {"advantage.estimator": "dr_grpo", "samples_per_prompt": 4},
-    "reinforce_pp": {"advantage.estimator": "reinforce_pp"},
-    "grpo_klloss": {"advantage.estimator": "grpo", "samples_per_prompt": 4, "kl.penalty_in": "loss"},
+ARMS = {  # arm -> (the demo's --advantage, further config changes)
+    "gae": ("gae", {}),
+    "rloo": ("rloo", {}),
+    "grpo": ("grpo", {}),
+    "dr_grpo": ("dr_grpo", {}),
+    "reinforce_pp": ("reinforce_pp", {}),
+    "grpo_klloss": ("grpo", {"kl.penalty_in": "loss"}),
 }
 DEFAULT_ARMS = "gae,grpo,rloo,dr_grpo,reinforce_pp"
 
@@ -79,14 +79,12 @@ def run_arm(seed_dir: Path, seed: int, arm: str, quick: bool) -> None:
 
     fix_kernels(1)
     settings = settings_of(quick)
+    advantage, changes = ARMS[arm]
     cfg = demo_ppo_config(seed_dir / f"ppo_{arm}", seed_dir, seed_dir / "prompts_train.jsonl",
-                          seed_dir / "prompts_heldout.jsonl", BETA, settings, seed)
-    for key, value in ARMS[arm].items():
+                          seed_dir / "prompts_heldout.jsonl", BETA, settings, seed, advantage)
+    for key, value in changes.items():
         section, _, name = key.rpartition(".")
         setattr(getattr(cfg, section) if section else cfg, name, value)
-    if cfg.advantage.critic_free:
-        cfg.critic.warmup_steps = 0  # no critic to warm up
-        cfg.batch_size = settings.ppo_batch // cfg.samples_per_prompt  # the same rows per step as GAE's
     cfg.validate()
     start = time.perf_counter()
     train(cfg)

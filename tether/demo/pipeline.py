@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tether.core.group import ESTIMATORS
 
 
 @dataclass
@@ -65,6 +66,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sequential", action="store_true",
                         help="run the two PPO stages one after the other; by default they run side by side, one "
                              "process each, when there are 2 x --threads cores (the numbers are the same either way)")
+    parser.add_argument("--advantage", default="gae", choices=ESTIMATORS,
+                        help="the PPO stage's advantage estimator [gae, with a critic from the reward model]; the "
+                             "critic-free ones sample the same 512 rows a step as 128 prompts x 4 (reinforce_pp: "
+                             "512 x 1), docs/group-baselines.md")
 
 
 def run(args) -> int:
@@ -78,7 +83,8 @@ def run(args) -> int:
 
     fix_kernels(args.threads)  # same machine, seed and --threads: the same results.json numbers (docs/demo.md)
     hf_logging.disable_progress_bar()  # the demo prints its own stages
-    run_demo(Path(args.output_dir), quick=args.quick, seed=args.seed, concurrent=not args.sequential)
+    run_demo(Path(args.output_dir), quick=args.quick, seed=args.seed, concurrent=not args.sequential,
+             advantage=args.advantage)
     return 0
 
 
@@ -113,7 +119,7 @@ def fmt_interval(r: dict) -> str:
 
 
 def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettings | None = None,
-             concurrent: bool = True) -> dict:
+             concurrent: bool = True, advantage: str = "gae") -> dict:
     from transformers import AutoModelForCausalLM
 
     from tether.demo.sft import gold_accuracy
@@ -138,7 +144,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     side_by_side = concurrent and usable_cores() >= 2 * torch.get_num_threads()
     with stages(f"e. PPO against the reward model, beta = {BETA:g} and beta = 0"
                 + (" (side by side, one process each)" if side_by_side else "")):
-        jobs = [(runs[name], out, ppo_prompts, eval_prompts, beta, settings, seed) for name, beta in betas.items()]
+        jobs = [(runs[name], out, ppo_prompts, eval_prompts, beta, settings, seed, advantage)
+                for name, beta in betas.items()]
         if side_by_side:
             run_side_by_side(run_demo_ppo, jobs, settings.ppo_steps)
         else:
@@ -159,6 +166,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
                   f"paired McNemar p = {finals[name]['mcnemar_p_vs_sft']:.3g}")
         results = {
             "mode": "quick" if quick else "full", "seed": seed, "settings": asdict(settings), "beta": BETA,
+            "advantage": advantage,
             "sft": {"steps": sft["steps"], "seconds": sft["seconds"], "dev_curve": sft["dev_curve"],
                     **{k: sft_eval[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}},
             "pairs": pair_stats, "reward_model": rm_eval,
@@ -264,15 +272,16 @@ def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: in
 
 
 def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
-                 settings: DemoSettings, seed: int) -> Path:
+                 settings: DemoSettings, seed: int, advantage: str = "gae") -> Path:
     from tether.ppo.train import train
 
-    return train(demo_ppo_config(run_dir, out, prompts, eval_prompts, beta, settings, seed))
+    return train(demo_ppo_config(run_dir, out, prompts, eval_prompts, beta, settings, seed, advantage))
 
 
 def demo_ppo_config(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
-                    settings: DemoSettings, seed: int):
-    """The demo's PPO run config (GAE, a critic from the reward model), validated."""
+                    settings: DemoSettings, seed: int, advantage: str = "gae"):
+    """The demo's PPO run config, validated: GAE with a critic from the reward model, or a critic-free
+    ``advantage`` estimator on the same rows per step (groups of 4 samples; REINFORCE++ 1 sample a prompt)."""
     from tether.ppo.config import RunConfig
 
     cfg = RunConfig()
@@ -290,6 +299,10 @@ def demo_ppo_config(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path,
     cfg.eval.every, cfg.eval.n, cfg.eval.samples = settings.eval_every, settings.eval_n, settings.eval_n
     # a step-0 evaluation of the SFT policy: the baseline that the curves and the doctor's gold band start from
     cfg.eval.at_start = True
+    if advantage != "gae":
+        cfg.advantage.estimator, cfg.critic.warmup_steps = advantage, 0  # no critic to warm up
+        cfg.samples_per_prompt = 1 if advantage == "reinforce_pp" else 4
+        cfg.batch_size = settings.ppo_batch // cfg.samples_per_prompt
     cfg.validate()
     return cfg
 
