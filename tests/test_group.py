@@ -1,7 +1,6 @@
 """Critic-free advantages (tether.core.group, SPEC B17) against values computed by hand: RLOO, GRPO, Dr. GRPO,
-REINFORCE++, rewards-to-go, the group-keeping shuffle, the group spread, Dr. GRPO's loss normalisation and the
-group metrics. Three groups of K = 4 throughout: A = [1, 0, 0, 1], B = [3, 3, 3, 3] (no spread) and
-C = [2, 0, 4, dropped]."""
+REINFORCE++, rewards-to-go, the group-keeping shuffle, the group spread and the group metrics. Three groups of
+K = 4 throughout: A = [1, 0, 0, 1], B = [3, 3, 3, 3] (no spread) and C = [2, 0, 4, dropped]."""
 
 import math
 import statistics
@@ -18,7 +17,6 @@ from tether.core.group import (
     returns_to_go,
     rloo_scores,
 )
-from tether.core.losses import ppo_policy_loss
 
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 2.0, 0.0, 4.0, float("nan")])
 VALID = torch.tensor([True] * 11 + [False])
@@ -105,16 +103,6 @@ def test_group_spread_by_hand():
     close(g["high"], [1.0, 3.0, 4.0])
     close(g["low"], [0.0, 3.0, 0.0])
     assert group_spread(torch.tensor([1.0, 2.0]), 2, torch.tensor([True, False]))["counted"].tolist() == [False]
-
-
-def test_dr_grpo_normalises_the_policy_loss_by_a_constant():
-    # ratio 1 everywhere: the per-token loss is -A; Σ over the 3 valid tokens / N
-    logprobs = torch.zeros(2, 2)
-    advantages = torch.tensor([[1.0, 2.0], [4.0, 100.0]])
-    loss, _ = ppo_policy_loss(logprobs, logprobs, advantages, MASK.float(), 0.2, normalizer=2 * 8)
-    assert loss.item() == pytest.approx(-(1 + 2 + 4) / 16)
-    loss, _ = ppo_policy_loss(logprobs, logprobs, advantages, MASK.float(), 0.2)
-    assert loss.item() == pytest.approx(-(1 + 2 + 4) / 3)  # the token mean it replaces
 
 
 class OneProcess:

@@ -28,16 +28,11 @@ def bradley_terry_loss(scores_chosen: torch.Tensor, scores_rejected: torch.Tenso
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, logprobs_old: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip_range: float, normalizer: float | torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, dict]:
+                    mask: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate (B9; Schulman et al. 2017, eq. 7), as a loss to minimise:
 
         ρ_t = exp(log π(a_t|s_t) − log π_old(a_t|s_t))
         L = masked_mean( −min(ρ_t·Â_t, clip(ρ_t, 1−ε, 1+ε)·Â_t) )
-
-    ``normalizer`` N replaces the token mean by Σ_valid(…) / N: Dr. GRPO's constant-length normalisation
-    (N = rows × max_new_tokens, Liu et al. 2025 §3.1), under which a token weighs the same in a short and a long
-    response.
 
     The log-ratio is clamped to ±20 for safety (C5). Stats: ``clip_fraction`` (share of valid tokens
     with |ρ−1| > ε), ``ratio_mean``/``ratio_std``/``ratio_max`` and ``approx_kl``, the k3 estimate
@@ -47,8 +42,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, logprobs_old: torch.Tensor, advantag
     ratio = torch.exp(log_ratio)
     surrogate = ratio * advantages
     surrogate_clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * advantages
-    per_token = -torch.min(surrogate, surrogate_clipped)
-    loss = masked_mean(per_token, mask) if normalizer is None else (per_token * mask).sum() / normalizer
+    loss = masked_mean(-torch.min(surrogate, surrogate_clipped), mask)
     with torch.no_grad():
         valid = mask.bool()
         ratio_valid = ratio[valid]
