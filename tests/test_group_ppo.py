@@ -186,6 +186,24 @@ def test_two_processes_give_the_advantages_of_one(tmp_path):
     assert 0 < a["metrics"]["group/no_spread_fraction"] < 1 and a["metrics"]["group/solved_fraction"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [None, "fsdp2.yaml"], ids=["ddp", "fsdp2"])
+def test_two_processes_train_and_checkpoint_without_a_critic(files, tmp_path, config):
+    """2 gloo processes (DDP, or FSDP2 from the accelerate config), GRPO with K = 2: no critic wrapped, sharded,
+    gathered or saved; the ranks' weights agree (DDP); the group metrics are pooled into one row per step."""
+    policy, prompts = files
+    out = tmp_path / "run"
+    accelerate_launch(["-m", "tether", "ppo", "--policy", str(policy), "--prompts", str(prompts), "--reward",
+                       "tether.rules:char_share", "--output-dir", str(out), "--steps", "2", "--batch-size", "2",
+                       "--mini-batches", "2", "--max-new-tokens", "5", "--progress", "false", "--save-every", "1",
+                       "--advantage", "grpo", "--samples-per-prompt", "2"], config=config)
+    assert sorted(p.name for p in (out / "checkpoints" / "step_000002").iterdir()) == ["policy", "trainer_state.pt"]
+    rows = rows_of(out)
+    assert [r["step"] for r in rows] == [1, 2] and all("group/no_spread_fraction" in r for r in rows)
+    if config is None:
+        assert json.loads((out / "ranks.json").read_text())["in_sync"] is True
+
+
 def test_the_group_estimators_refuse_one_sample_per_prompt_and_a_critic_warmup(files, tmp_path):
     with pytest.raises(ConfigError, match="--samples-per-prompt of at least 2"):
         tiny_config(tmp_path, *files, advantage__estimator="grpo")
