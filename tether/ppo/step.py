@@ -63,7 +63,7 @@ def ppo_step(run, cfg, step: int) -> dict:
     p, m, o, d = run.processes, run.models, run.optim, run.data
     timer = PhaseTimer()
     temperature, k = cfg.generation.temperature, cfg.samples_per_prompt
-    rows = [row for row in d.prompts.next_batch() for _ in range(k)]  # K adjacent rows per prompt: a group
+    rows = [row for row in d.prompts.next_batch() for _ in range(k)]  # K adjacent rows per prompt: a group (B17)
     prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
 
     # 1. Rollout (B1): an engine holding its own weights takes the current ones first (C3; here, so a resumed
@@ -107,18 +107,10 @@ def ppo_step(run, cfg, step: int) -> dict:
         beta_reward = o.kl_controller.value if cfg.kl.penalty_in == "reward" else 0.0
         rewards = shaped_rewards(sequence_scores, kl, beta_reward, response_mask) + step_rewards * response_mask
         scores = sequence_scores + step_rewards.sum(dim=1)  # what each response earned in all (objective/scores)
-        if m.critic is not None:
-            # 6. GAE (B7) with V(s_T) bootstrapping truncated rows. Returns use the un-whitened advantages.
-            advantages, returns = gae(rewards, values_old, response_mask, cfg.gae.gamma, cfg.gae.lam, last_values)
-            # 7. Whitening (B8) over the valid tokens of all ranks; then everything is frozen.
-            if cfg.ppo.whiten_advantages:
-                advantages = whiten(advantages, response_mask, distributed=p.world_size > 1)
-        else:
-            # 6.–7. Without a critic (B17): each row's score against its group's (RLOO, GRPO, Dr. GRPO) on its
-            # last token, −β·KL_t on every token, rewards-to-go; REINFORCE++ whitens them over all ranks' tokens.
-            advantages, returns = critic_free_advantages(
-                cfg.advantage.estimator, scores, kl, beta_reward, response_mask, k, cfg.gae.gamma,
-                cfg.advantage.std_eps, valid, distributed=p.world_size > 1)
+        # 6.–7. Advantages (B7, B8, B17): GAE on the critic's values, whitened; or, without a critic, a group
+        # (or batch) baseline on the scores (cfg.advantage). Then everything is frozen.
+        advantages, returns = estimate_advantages(cfg, p.world_size > 1, rewards, values_old, last_values, scores,
+                                                  kl, beta_reward, response_mask, valid)
         timer.split("reward")  # steps 5-7: reward sources, per-token rewards, advantages, whitening
     # The training forwards never see a dropped row's input (its NaN would recur: 0·NaN = NaN in the masked
     # losses and their gradients): it is replaced by a kept row, with no weight in any loss.
@@ -145,6 +137,23 @@ def ppo_step(run, cfg, step: int) -> dict:
     return {**step_metrics(run, cfg, step, timer, rollout, experience, rewards_raw.total, entropy, kl_mean,
                            beta_used, epochs_run),
             **train_stats, "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
+
+
+def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_old: torch.Tensor | None,
+                        last_values: torch.Tensor | None, scores: torch.Tensor, kl: torch.Tensor, kl_coef: float,
+                        mask: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 6–7: ``(advantages, returns)``, (B, T) each. With a critic (``values_old`` not None), GAE on the
+    per-token ``rewards`` (B7), bootstrapping truncated rows with V(s_T), returns from the un-whitened advantages,
+    then whitening over the valid tokens of all ranks (B8). Without one (B17), tether.core.group's estimator on
+    the rows' ``scores`` and per-token ``kl`` (β = ``kl_coef``): each row's score against its group's (RLOO, GRPO,
+    Dr. GRPO) on its last token, −β·KL_t on every token, rewards-to-go; REINFORCE++ whitens them over all ranks."""
+    if values_old is None:
+        return critic_free_advantages(cfg.advantage.estimator, scores, kl, kl_coef, mask, cfg.samples_per_prompt,
+                                      cfg.gae.gamma, cfg.advantage.std_eps, valid, distributed=distributed)
+    advantages, returns = gae(rewards, values_old, mask, cfg.gae.gamma, cfg.gae.lam, last_values)
+    if cfg.ppo.whiten_advantages:
+        advantages = whiten(advantages, mask, distributed=distributed)
+    return advantages, returns
 
 
 def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Experience, scores_raw: torch.Tensor,
