@@ -44,3 +44,8 @@ def not_a_list(prompts, responses):
 
 
 not_callable = 3
+
+
+def constant(prompts, responses):
+    """The same score for every reply: no group of samples ever has a spread (a planted 'no signal' run)."""
+    return [1.0] * len(responses)

@@ -74,3 +74,21 @@ def test_a_failed_run_is_named_with_its_error_and_the_other_stopped(artifacts, t
     assert str(log_path(bad[0])) in message
     rows = (good[0] / "metrics.jsonl").read_text().splitlines() if (good[0] / "metrics.jsonl").exists() else []
     assert len([r for r in rows if "objective/kl" in r]) < 500  # stopped, not run to the end
+
+
+def test_the_beta_exhibit_runs_with_a_critic_free_estimator(artifacts, tmp_path):
+    """`tether demo --advantage grpo`: both PPO runs (β > 0, β = 0) sample the same rows a step as GAE's, in groups
+    of 4, with no critic; the β = 0 run's highest-KL answers (the exhibit) come from its evaluation samples."""
+    from tether.demo.pipeline import beta0_exhibits, demo_ppo_config
+
+    out, prompts, held = artifacts
+    cfg = demo_ppo_config(tmp_path / "x", out, prompts, held, 0.2, TINY, 3, "grpo")
+    assert (cfg.samples_per_prompt, cfg.batch_size, cfg.critic.warmup_steps) == (4, TINY.ppo_batch // 4, 0)
+    for name, beta in (("ppo_b", 0.2), ("ppo_0", 0.0)):
+        run_dir = run_demo_ppo(tmp_path / name, out, prompts, held, beta, TINY, 3, "grpo")
+        _, rows = final_state(run_dir)
+        steps = [r for r in rows if "objective/kl" in r]
+        assert len(steps) == TINY.ppo_steps and all(r["objective/kl_coef"] == beta for r in steps)
+        assert "group/no_spread_fraction" in steps[-1] and not any(k.startswith("value/") for k in steps[-1])
+        assert not list((run_dir / "checkpoints").glob("*/critic.safetensors"))
+    assert beta0_exhibits(tmp_path / "ppo_0")  # real responses of the β = 0 run, highest KL first

@@ -2,9 +2,9 @@
 newest complete checkpoint is always loadable and a crash loses at most the work since it.
 
 A checkpoint ``DIR/checkpoints/step_000K/`` holds ``policy/`` (the LoRA adapter, or the full model,
-saved by ``save_pretrained`` in safetensors), ``critic.safetensors``, and ``trainer_state.pt``
-(optimisers, schedulers, KL controller, reward normaliser, RNG states, data position, step), read back
-with ``torch.load(weights_only=True)``.
+saved by ``save_pretrained`` in safetensors), ``critic.safetensors`` (none for a critic-free run), and
+``trainer_state.pt`` (optimisers, schedulers, KL controller, reward normaliser, RNG states, data position,
+step), read back with ``torch.load(weights_only=True)``.
 
 Durability: every file of a checkpoint is fsync'd, then the folder, then (after the rename) its parent
 folder, so a power cut or kill -9 leaves either the previous checkpoint or the new one, never a
@@ -127,14 +127,17 @@ def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_stat
                     policy_state: dict | None = None, critic_state: dict | None = None) -> Path:
     """Write checkpoint ``step``; keep the ``keep`` newest. ``policy_state``/``critic_state``: full state
     dicts gathered from sharded models (FSDP2), written in place of the modules' own. Weights with NaN/Inf
-    are refused (TetherError)."""
+    are refused (TetherError). ``critic`` None: a critic-free run, no critic file."""
     check_finite(policy_model, f"checkpoint step {step}: policy", policy_state)
-    check_finite(critic, f"checkpoint step {step}: critic", critic_state)
+    if critic is not None:
+        check_finite(critic, f"checkpoint step {step}: critic", critic_state)
 
     def write(tmp: Path):
         save_pretrained(policy_model, tmp / "policy", policy_state)
-        critic_state_ = critic.state_dict() if critic_state is None else critic_state
-        save_file({k: v.detach().contiguous() for k, v in critic_state_.items()}, str(tmp / "critic.safetensors"))
+        if critic is not None:
+            critic_state_ = critic.state_dict() if critic_state is None else critic_state
+            save_file({k: v.detach().contiguous() for k, v in critic_state_.items()},
+                      str(tmp / "critic.safetensors"))
         torch.save(trainer_state, tmp / "trainer_state.pt")
 
     path = atomic_dir(checkpoint_dir(run_dir, step), write)
@@ -180,5 +183,6 @@ def load_checkpoint(path: Path, policy_model, critic) -> dict:
         if unexpected or any(k not in tied and not k.endswith("lm_head.weight") for k in missing):
             raise RuntimeError(f"{policy_dir}: checkpoint does not match the policy "
                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    critic.load_state_dict(load_file(str(Path(path) / "critic.safetensors")))
+    if critic is not None:
+        critic.load_state_dict(load_file(str(Path(path) / "critic.safetensors")))
     return torch.load(Path(path) / "trainer_state.pt", weights_only=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tether.core.group import ESTIMATORS
 
 
 @dataclass
@@ -65,6 +66,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sequential", action="store_true",
                         help="run the two PPO stages one after the other; by default they run side by side, one "
                              "process each, when there are 2 x --threads cores (the numbers are the same either way)")
+    parser.add_argument("--advantage", default="gae", choices=ESTIMATORS,
+                        help="the PPO stage's advantage estimator [gae, with a critic from the reward model]; the "
+                             "critic-free ones sample the same 512 rows a step as 128 prompts x 4 (reinforce_pp: "
+                             "512 x 1), docs/group-baselines.md")
 
 
 def run(args) -> int:
@@ -78,7 +83,8 @@ def run(args) -> int:
 
     fix_kernels(args.threads)  # same machine, seed and --threads: the same results.json numbers (docs/demo.md)
     hf_logging.disable_progress_bar()  # the demo prints its own stages
-    run_demo(Path(args.output_dir), quick=args.quick, seed=args.seed, concurrent=not args.sequential)
+    run_demo(Path(args.output_dir), quick=args.quick, seed=args.seed, concurrent=not args.sequential,
+             advantage=args.advantage)
     return 0
 
 
@@ -113,13 +119,11 @@ def fmt_interval(r: dict) -> str:
 
 
 def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettings | None = None,
-             concurrent: bool = True) -> dict:
+             concurrent: bool = True, advantage: str = "gae") -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tether.demo.pairs import make_preference_pairs
-    from tether.demo.sft import gold_accuracy, sft_to_accuracy, sft_train
+    from tether.demo.sft import gold_accuracy
     from tether.demo.side_by_side import run_side_by_side, usable_cores
-    from tether.demo.task import build_policy, build_tokenizer, split_problems
     from tether.core.stats import mcnemar_exact
 
     settings = settings or (QUICK if quick else FULL)
@@ -130,6 +134,69 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
     stages = Stages()
     t_start = time.perf_counter()
     print(f"tether demo ({'quick' if quick else 'full'}, seed {seed}) -> {out}")
+    prepared = prepare_policy_and_rm(out, settings, seed, stages)
+    tokenizer, held_out, sft, sft_eval = (prepared[k] for k in ("tokenizer", "held_out", "sft", "sft_eval"))
+    pair_stats, rm_eval, ppo_prompts, eval_prompts = (prepared[k] for k in ("pair_stats", "rm_eval", "ppo_prompts",
+                                                                            "eval_prompts"))
+    betas = {f"beta_{BETA:g}": BETA, "beta_0": 0.0}
+    runs = {name: out / f"ppo_{name}" for name in betas}
+    # side by side, one process each, when the cores allow: the same numbers as one after the other
+    side_by_side = concurrent and usable_cores() >= 2 * torch.get_num_threads()
+    with stages(f"e. PPO against the reward model, beta = {BETA:g} and beta = 0"
+                + (" (side by side, one process each)" if side_by_side else "")):
+        jobs = [(runs[name], out, ppo_prompts, eval_prompts, beta, settings, seed, advantage)
+                for name, beta in betas.items()]
+        if side_by_side:
+            run_side_by_side(run_demo_ppo, jobs, settings.ppo_steps)
+        else:
+            for job in jobs:
+                run_demo_ppo(*job)
+
+    with stages("f. final held-out evaluation and results.json"):
+        finals = {}
+        for name, run_dir in runs.items():
+            model = AutoModelForCausalLM.from_pretrained(run_dir / "policy").eval()
+            final = gold_accuracy(model, tokenizer, held_out)
+            only_ppo = sum(p and not s for p, s in zip(final["correct"], sft_eval["correct"]))
+            only_sft = sum(s and not p for p, s in zip(final["correct"], sft_eval["correct"]))
+            finals[name] = {k: final[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}
+            finals[name].update({"only_ppo_correct": only_ppo, "only_sft_correct": only_sft,
+                                 "mcnemar_p_vs_sft": mcnemar_exact(only_ppo, only_sft)})
+            print(f"   {name}: held-out gold accuracy {fmt_interval(final)} vs SFT {fmt_interval(sft_eval)}; "
+                  f"paired McNemar p = {finals[name]['mcnemar_p_vs_sft']:.3g}")
+        results = {
+            "mode": "quick" if quick else "full", "seed": seed, "settings": asdict(settings), "beta": BETA,
+            "advantage": advantage,
+            "sft": {"steps": sft["steps"], "seconds": sft["seconds"], "dev_curve": sft["dev_curve"],
+                    **{k: sft_eval[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}},
+            "pairs": pair_stats, "reward_model": rm_eval,
+            "runs": {name: {"kl_coef": BETA if name != "beta_0" else 0.0, "curves": curves(run_dir),
+                            "final": finals[name]} for name, run_dir in runs.items()},
+        }
+
+    with stages("g. HTML report"):
+        exhibits = beta0_exhibits(runs["beta_0"])
+        results["beta0_exhibits"] = exhibits
+        from tether.diagnostics.report import write_report
+
+        write_report([runs[f"beta_{BETA:g}"], runs["beta_0"]], out / "report.html",
+                     title=f"tether demo: PPO on {settings.digits}-digit addition, beta = {BETA:g} vs beta = 0",
+                     extra_html=summary_html(results, exhibits))
+    results["environment"] = environment()
+    results["stage_seconds"] = stages.seconds
+    results["total_seconds"] = time.perf_counter() - t_start
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    print(f"\ntotal {results['total_seconds']:.0f} s; results in {out / 'results.json'}, report in {out / 'report.html'}")
+    return results
+
+
+def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: Stages) -> dict:
+    """Stages (a)-(d) into ``out``: tokenizer and tiny policy, SFT, preference pairs from its samples, the reward
+    model; and the PPO prompt files. Called after ``torch.manual_seed(seed)`` (the demo's, and
+    bench/group_baselines.py's, which reuses each seed's SFT policy and reward model across estimators)."""
+    from tether.demo.pairs import make_preference_pairs
+    from tether.demo.sft import gold_accuracy, sft_to_accuracy, sft_train
+    from tether.demo.task import build_policy, build_tokenizer, split_problems
 
     with stages("a. tokenizer and tiny policy from a config"):
         tokenizer = build_tokenizer(out / "sft")
@@ -175,54 +242,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, settings: DemoSettin
 
     ppo_prompts = write_prompts(out / "prompts_train.jsonl", train)
     eval_prompts = write_prompts(out / "prompts_heldout.jsonl", held_out)
-    betas = {f"beta_{BETA:g}": BETA, "beta_0": 0.0}
-    runs = {name: out / f"ppo_{name}" for name in betas}
-    # side by side, one process each, when the cores allow: the same numbers as one after the other
-    side_by_side = concurrent and usable_cores() >= 2 * torch.get_num_threads()
-    with stages(f"e. PPO against the reward model, beta = {BETA:g} and beta = 0"
-                + (" (side by side, one process each)" if side_by_side else "")):
-        jobs = [(runs[name], out, ppo_prompts, eval_prompts, beta, settings, seed) for name, beta in betas.items()]
-        if side_by_side:
-            run_side_by_side(run_demo_ppo, jobs, settings.ppo_steps)
-        else:
-            for job in jobs:
-                run_demo_ppo(*job)
-
-    with stages("f. final held-out evaluation and results.json"):
-        finals = {}
-        for name, run_dir in runs.items():
-            model = AutoModelForCausalLM.from_pretrained(run_dir / "policy").eval()
-            final = gold_accuracy(model, tokenizer, held_out)
-            only_ppo = sum(p and not s for p, s in zip(final["correct"], sft_eval["correct"]))
-            only_sft = sum(s and not p for p, s in zip(final["correct"], sft_eval["correct"]))
-            finals[name] = {k: final[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}
-            finals[name].update({"only_ppo_correct": only_ppo, "only_sft_correct": only_sft,
-                                 "mcnemar_p_vs_sft": mcnemar_exact(only_ppo, only_sft)})
-            print(f"   {name}: held-out gold accuracy {fmt_interval(final)} vs SFT {fmt_interval(sft_eval)}; "
-                  f"paired McNemar p = {finals[name]['mcnemar_p_vs_sft']:.3g}")
-        results = {
-            "mode": "quick" if quick else "full", "seed": seed, "settings": asdict(settings), "beta": BETA,
-            "sft": {"steps": sft["steps"], "seconds": sft["seconds"], "dev_curve": sft["dev_curve"],
-                    **{k: sft_eval[k] for k in ("accuracy", "low", "high", "n", "eos_rate")}},
-            "pairs": pair_stats, "reward_model": rm_eval,
-            "runs": {name: {"kl_coef": BETA if name != "beta_0" else 0.0, "curves": curves(run_dir),
-                            "final": finals[name]} for name, run_dir in runs.items()},
-        }
-
-    with stages("g. HTML report"):
-        exhibits = beta0_exhibits(runs["beta_0"])
-        results["beta0_exhibits"] = exhibits
-        from tether.diagnostics.report import write_report
-
-        write_report([runs[f"beta_{BETA:g}"], runs["beta_0"]], out / "report.html",
-                     title=f"tether demo: PPO on {settings.digits}-digit addition, beta = {BETA:g} vs beta = 0",
-                     extra_html=summary_html(results, exhibits))
-    results["environment"] = environment()
-    results["stage_seconds"] = stages.seconds
-    results["total_seconds"] = time.perf_counter() - t_start
-    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    print(f"\ntotal {results['total_seconds']:.0f} s; results in {out / 'results.json'}, report in {out / 'report.html'}")
-    return results
+    return {"tokenizer": tokenizer, "train": train, "held_out": held_out, "sft": sft, "sft_eval": sft_eval,
+            "pair_stats": pair_stats, "rm_eval": rm_eval, "ppo_prompts": ppo_prompts, "eval_prompts": eval_prompts}
 
 
 def environment() -> dict:
@@ -251,9 +272,17 @@ def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: in
 
 
 def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
-                 settings: DemoSettings, seed: int) -> Path:
-    from tether.ppo.config import RunConfig
+                 settings: DemoSettings, seed: int, advantage: str = "gae") -> Path:
     from tether.ppo.train import train
+
+    return train(demo_ppo_config(run_dir, out, prompts, eval_prompts, beta, settings, seed, advantage))
+
+
+def demo_ppo_config(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, beta: float,
+                    settings: DemoSettings, seed: int, advantage: str = "gae"):
+    """The demo's PPO run config, validated: GAE with a critic from the reward model, or a critic-free
+    ``advantage`` estimator on the same rows per step (groups of 4 samples; REINFORCE++ 1 sample a prompt)."""
+    from tether.ppo.config import RunConfig
 
     cfg = RunConfig()
     cfg.output_dir, cfg.seed, cfg.steps, cfg.batch_size = str(run_dir), seed, settings.ppo_steps, settings.ppo_batch
@@ -270,8 +299,12 @@ def run_demo_ppo(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path, be
     cfg.eval.every, cfg.eval.n, cfg.eval.samples = settings.eval_every, settings.eval_n, settings.eval_n
     # a step-0 evaluation of the SFT policy: the baseline that the curves and the doctor's gold band start from
     cfg.eval.at_start = True
+    if advantage != "gae":
+        cfg.advantage.estimator, cfg.critic.warmup_steps = advantage, 0  # no critic to warm up
+        cfg.samples_per_prompt = 1 if advantage == "reinforce_pp" else 4
+        cfg.batch_size = settings.ppo_batch // cfg.samples_per_prompt
     cfg.validate()
-    return train(cfg)
+    return cfg
 
 
 def curves(run_dir: Path) -> dict:

@@ -26,8 +26,10 @@ import yaml
 
 from tether.config import config_from_dict
 from tether.diagnostics.gold import describe, with_problem_results
-from tether.diagnostics.health import (BANDS, COLLAPSE, GOLD_MEASURES, KL_EXPLOSION, MODE_COLLAPSE, NOT_LEARNING,
-                                        RATIO, REWARD_HACKING, VALUE_COLLAPSE, Alert, HealthConfig, HealthMonitor)
+from tether.diagnostics.groups import flat_groups_prescriptions
+from tether.diagnostics.health import (BANDS, COLLAPSE, GOLD_MEASURES, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL,
+                                        NOT_LEARNING, RATIO, REWARD_HACKING, VALUE_COLLAPSE, Alert, HealthConfig,
+                                        HealthMonitor)
 from tether.errors import TetherError
 
 # (phase, metric key) in step order (C2); "score" is the sum of old log-probs … reward, for runs made
@@ -121,6 +123,8 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
            "normalisation)", "reward.normalize", lambda c: "batch" if c == "none" else None),
         Rx("more PPO epochs per batch", "ppo.epochs", lambda c: f"{c + 1}" if isinstance(c, int) else None),
     ],
+    # B17: the first line depends on which way the groups are flat (tether.diagnostics.groups); this is the usual one
+    NO_SIGNAL: [Rx(*rx) for rx in flat_groups_prescriptions([])],
 }
 
 
@@ -237,9 +241,10 @@ def _evidence(alert: Alert, monitor: HealthMonitor, others: list[Alert]) -> dict
     }
 
 
-def _prescribe(mode: str, run_config: dict) -> list[dict]:
+def _prescribe(mode: str, run_config: dict, rows: list[dict] = (), since_step: int = 0) -> list[dict]:
     out = []
-    for i, rx in enumerate(PRESCRIPTIONS[mode], 1):
+    rxs = [Rx(*rx) for rx in flat_groups_prescriptions(rows, since_step)] if mode == NO_SIGNAL else PRESCRIPTIONS[mode]
+    for i, rx in enumerate(rxs, 1):
         current = config_value(run_config, rx.key) if rx.key else None
         out.append({"priority": i, "action": rx.action, "key": rx.key, "current": current,
                     "suggestion": rx.suggest(current) if rx.key else None})
@@ -261,7 +266,10 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     for i, row in enumerate(rows):
         monitor.update(int(row["step"]), row, final=finished and i == len(rows) - 1)
     present = {k for row in rows for k in row}
-    unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs]
+    # a critic-free run (B17) has no value metrics by design: its value bands are not "unchecked", they do not apply
+    no_critic = config_value(run_config or {}, "advantage.estimator") not in (None, "gae")
+    unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs
+                 and not (no_critic and b.key.startswith("value/"))]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     gold, notes = _gold_summary(monitor)
@@ -275,7 +283,7 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
         healthy=False, failure_mode=cause.failure_mode, cause_metric=cause.band.key, cause_band=cause.band.name,
         first_step=cause.onset_step, alarm_step=cause.alarm_step,
         evidence=_evidence(cause, monitor, rest),
-        prescriptions=_prescribe(cause.failure_mode, run_config or {}), **common)
+        prescriptions=_prescribe(cause.failure_mode, run_config or {}, rows, cause.onset_step), **common)
 
 
 def _gold_summary(monitor: HealthMonitor) -> tuple[list[dict], list[str]]:

@@ -30,6 +30,7 @@ MODE_COLLAPSE = "mode collapse"
 REWARD_HACKING = "reward hacking"
 COLLAPSE = "collapse"
 NOT_LEARNING = "not learning"
+NO_SIGNAL = "no signal in the groups"
 
 # What a band's measure is:
 #   value   the metric itself
@@ -158,6 +159,11 @@ BANDS: tuple[Band, ...] = (
          "held-out gold metric significantly below its best evaluation while the reward fell too: the run got "
          "worse by its own measure as well, a breakdown rather than Goodhart",
          needs=("eval/n",), final_confirms=True),
+    # K >= 2 samples per prompt (B17): a group scored all alike gives every group baseline a zero advantage; for a 0/1
+    # reward solved with probability p their share is p^K + (1 − p)^K (K = 4: 0.13 at p = 0.5, 0.82 at p = 0.05).
+    Band("no_spread", "group/no_spread_fraction", "value", (None, 0.5), None, 0.8, NO_SIGNAL,
+         "share of prompt groups whose K samples all got the same score: no signal for a group baseline "
+         "(all solved, or none)", reported_by_some_runs=True),
     Band("not_learning", "policy/clip_fraction", "value", (0.05, None), 0.05, None, NOT_LEARNING,
          "clip fraction < 5% for a long stretch while the policy stays at the reference (KL < 0.01): "
          "it barely moves (LR too low? no advantage signal?)",
@@ -195,13 +201,10 @@ class HealthConfig:
 
 
 def _parse_bound(text: str, where: str) -> float | None:
-    text = text.strip()
-    if text == "":
-        return None
     try:
-        return float(text)
+        return float(text) if text.strip() else None
     except ValueError:
-        raise ConfigError(f"{where}: '{text}' is not a number") from None
+        raise ConfigError(f"{where}: '{text.strip()}' is not a number") from None
 
 
 def resolve_bands(config: HealthConfig) -> list[Band]:
@@ -223,10 +226,8 @@ def resolve_bands(config: HealthConfig) -> list[Band]:
         low, high, alarm_low, alarm_high = (_parse_bound(p, where) for p in parts)
         if alarm_low is None and alarm_high is None:
             raise ConfigError(f"{where}: give at least one alarm bound (or NAME=off)")
-        if table[name] is None:
-            table[name] = next(b for b in BANDS if b.name == name)
-        table[name] = dataclasses.replace(table[name], healthy=(low, high), alarm_low=alarm_low,
-                                          alarm_high=alarm_high)
+        default = table[name] or next(b for b in BANDS if b.name == name)  # "off" earlier in the list: back on
+        table[name] = dataclasses.replace(default, healthy=(low, high), alarm_low=alarm_low, alarm_high=alarm_high)
     return [b for b in table.values() if b is not None]
 
 

@@ -1,4 +1,4 @@
-"""Memory planner (SPEC C1): will an RLHF run with four models fit, per GPU, in each phase?
+"""Memory planner (SPEC C1): will an RLHF run with four models (three without a critic) fit, per GPU, in each phase?
 
 Units: bytes; printed in GB = 1e9 bytes. ``b`` is the byte size of ``--dtype`` (fp32 4, bf16/fp16 2);
 N a model's parameter count; B the batch per GPU; S = prompt + response length; L layers; d hidden;
@@ -47,6 +47,11 @@ from tether.diagnostics.shapes import ModelShape, lora_params, lora_tensors, res
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MODELS = ("actor", "critic", "reference", "RM")
+
+
+def models_of(cfg) -> tuple[str, ...]:
+    """The models a run holds: the four, or three with ``critic none`` (a critic-free estimator, B17)."""
+    return tuple(m for m in MODELS if not (m == "critic" and cfg.critic == "none"))
 PHASES = ("rollout", "train")
 
 
@@ -71,8 +76,8 @@ class PlanConfig:
     gradient_checkpointing: bool = option(False, "keep only layer inputs; recompute the rest in backward")
     attention: str = option("sdpa", "attention kernel: sdpa/flash (no S×S scores stored) or eager",
                             choices=("sdpa", "eager"))
-    critic: str = option("separate", "separate critic model, or a value head on the actor",
-                         choices=("separate", "head"))
+    critic: str = option("separate", "separate critic model, a value head on the actor, or none (a critic-free "
+                         "estimator: rloo, grpo, dr_grpo, reinforce_pp)", choices=("separate", "head", "none"))
     value_head: str = option("mlp", "value head: linear (d+1 params) or mlp (d->d->1, d²+2d+1 params)",
                              choices=("linear", "mlp"))
     offload_ref: bool = option(False, "keep the reference's weights in CPU memory (streamed per layer)")
@@ -199,7 +204,7 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
     b, B, S = DTYPE_BYTES[cfg.dtype], cfg.batch_size, cfg.prompt_length + cfg.response_length
     G, z = cfg.gpus, cfg.zero
     static, phases = {}, {p: {} for p in PHASES}
-    for role in MODELS:
+    for role in models_of(cfg):
         s = model_static(shape, cfg, role)
         cpu = 0
         if (role == "reference" and cfg.offload_ref or role == "RM" and cfg.offload_rm) and s["weights"]:
@@ -259,6 +264,9 @@ def levers(shape: ModelShape, cfg: PlanConfig, peak: int | None = None) -> list[
                         {"offload_ref": True, "offload_rm": True}))
     if cfg.critic == "separate":
         options.append(("value head on the actor instead of a critic model", "--critic head", {"critic": "head"}))
+    if cfg.critic != "none":
+        options.append(("no critic (a critic-free estimator, e.g. tether ppo --advantage grpo)", "--critic none",
+                        {"critic": "none"}))
     if cfg.batch_size > 1:
         options.append(("half the batch per GPU", f"--batch-size {cfg.batch_size // 2}",
                         {"batch_size": cfg.batch_size // 2}))
@@ -285,6 +293,7 @@ def format_plan(shape: ModelShape, cfg: PlanConfig, result: dict, lever_rows: li
     lora = lambda r: f"LoRA r={r} ({cfg.lora_targets})" if r else "full fine-tune"  # noqa: E731
     critic = (f"separate critic {lora(critic_lora_r(cfg))}" if cfg.critic == "separate"
               else "critic = head on the actor") + f", {cfg.value_head} value head"
+    critic = "no critic (critic-free estimator)" if cfg.critic == "none" else critic
     count = f"{result['params'] / 1e9:.2f}e9 params"
     if shape.nominal_params is not None:
         count += f" (nominal; the shapes give {shape.lm_params / 1e9:.2f}e9 — pass a config.json for exact)"
@@ -299,7 +308,7 @@ def format_plan(shape: ModelShape, cfg: PlanConfig, result: dict, lever_rows: li
     head = f"{'phase':<8} {'model':<10}" + "".join(f"{c:>10}" for c in titles)
     lines += [head, "-" * len(head)]
     for phase in PHASES:
-        for i, role in enumerate(MODELS):
+        for i, role in enumerate(models_of(cfg)):
             row = result["phases"][phase][role]
             note = result["static"][role]["note"]
             lines.append(f"{phase if i == 0 else '':<8} {role:<10}" + "".join(f"{_gb(row[c]):>10}" for c in cols)
@@ -307,8 +316,8 @@ def format_plan(shape: ModelShape, cfg: PlanConfig, result: dict, lever_rows: li
         lines.append(f"{'':<8} {'total':<10}" + " " * 60 + f"{_gb(result['totals'][phase]):>10}")
     st = result["static"]
     lines += ["", "static (weights + grads + Adam + master): "
-              + ", ".join(f"{r} {_gb(st[r]['total'])}" for r in MODELS) + f"; all {_gb(result['static_total'])} GB"]
-    cpu = sum(st[r]["cpu_bytes"] for r in MODELS)
+              + ", ".join(f"{r} {_gb(st[r]['total'])}" for r in st) + f"; all {_gb(result['static_total'])} GB"]
+    cpu = sum(st[r]["cpu_bytes"] for r in st)
     if cpu:
         lines.append(f"CPU memory for offloaded weights: {_gb(cpu)} GB per process")
     verdict = "FITS" if result["fits"] else "DOES NOT FIT"

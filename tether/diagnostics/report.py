@@ -47,6 +47,9 @@ PANELS = [
     ("Ratio std (π/π_old)", [("policy/ratio_std", "-")], "ratio_std", False),
     ("Value loss", [("value/loss", "-")], None, True),
     ("Explained variance", [("value/explained_variance", "-")], "explained_variance", False),
+    ("Groups of K samples with no score spread (share; dashed: none rewarded)",
+     [("group/no_spread_fraction", "-"), ("group/unsolved_fraction", "--")], "no_spread", False),
+    ("Group score spread (mean within-group std)", [("group/reward_spread", "-")], None, False),
     ("Policy entropy", [("policy/entropy", "-")], None, False),
     ("Response length (mean; one run: min–max shaded)", [("response/length_mean", "-")], None, False),
     ("Model FLOPs utilisation (step; dashed: train phase)", [("perf/mfu", "-"), ("perf/mfu_train", "--")], None,
@@ -56,8 +59,8 @@ PANELS = [
 ]
 PHASE_COLORS = {"generate": "#1f77b4", "weight sync": "#17becf", "score": "#ff7f0e", "old log-probs": "#ff7f0e",
                 "reference": "#e377c2", "values": "#8c564b", "reward": "#bcbd22", "train": "#2ca02c", "other": "#999"}
-SUMMARY_KEYS = ["kl.coef", "kl.controller", "kl.target", "optim.lr", "optim.critic_lr", "ppo.epochs",
-                "ppo.clip_range"]
+SUMMARY_KEYS = ["advantage.estimator", "samples_per_prompt", "kl.penalty_in", "kl.coef", "kl.controller",
+                "kl.target", "optim.lr", "optim.critic_lr", "ppo.epochs", "ppo.clip_range"]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
 
@@ -99,8 +102,10 @@ def load_run(run_dir: str | Path, name: str | None = None) -> Run:
     rows = with_problem_results(load_metrics(run_dir), run_dir)
     config = load_run_config(run_dir)
     samples, samples_file = _read_samples(run_dir)
-    beta = config_value(config, "kl.coef")
+    beta, estimator = config_value(config, "kl.coef"), config_value(config, "advantage.estimator")
     label = (name or run_dir.resolve().name) + (f" (β = {beta:g})" if isinstance(beta, (int, float)) else "")
+    if estimator not in (None, "gae"):
+        label += f" {estimator}, K = {config_value(config, 'samples_per_prompt')}"
     diagnosis = diagnose(rows, health_config_from_run(config), run_config=config)
     return Run(run_dir, label, rows, config, diagnosis, samples, samples_file)
 

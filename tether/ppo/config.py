@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tether.config import option
+from tether.core.group import CRITIC_FREE, ESTIMATORS, GROUP_BASELINES
 from tether.core.steps import AGGREGATIONS
 from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
@@ -103,12 +104,31 @@ class KLConfig:
     target: float = option(0.01, "target per-token KL to the reference for the adaptive/proportional controller "
                            "(not the epoch early stop: ppo.target_kl)", low=0.0, low_open=True, flag="--target-kl")
     horizon: float = option(10000.0, "proportional controller horizon (in samples)", low=1.0)
+    penalty_in: str = option("reward", "where the tether acts: 'reward' (-beta * KL_t on each token's reward, "
+                             "kl.estimator; the objective is reward - beta * KL) or 'loss' (beta * k3(pi, pi_ref) "
+                             "token mean added to the policy loss, as GRPO; the reward is the score alone)",
+                             choices=("reward", "loss"), flag="--kl-in")
 
 
 @dataclass
 class GAEConfig:
     gamma: float = option(1.0, "discount", low=0.0, high=1.0, flag="--gamma")
     lam: float = option(0.95, "GAE lambda", low=0.0, high=1.0, flag="--lam")
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = option("gae", "advantage estimator (B7, B17): 'gae' with a critic; critic-free (no critic "
+                            "built): 'rloo' (minus the mean of the prompt's other samples), 'grpo' (group z-score), "
+                            "'dr_grpo' (minus the group mean; loss over a constant length), 'reinforce_pp' "
+                            "(REINFORCE++: batch-whitened returns); docs/group-baselines.md",
+                            choices=ESTIMATORS, flag="--advantage")
+    std_eps: float = option(1e-6, "grpo: eps in (s - mean) / (std + eps), std the group's sample std", low=0.0,
+                            low_open=True)
+
+    @property
+    def critic_free(self) -> bool:
+        return self.estimator in CRITIC_FREE
 
 
 @dataclass
@@ -123,7 +143,9 @@ class PPOConfig:
     clip_range_value: float = option(0.2, "epsilon_v of value clipping; 0 = off", low=0.0)
     vf_coef: float = option(0.5, "c1: weight of the value loss", low=0.0)
     entropy_coef: float = option(0.0, "c2: entropy bonus weight", low=0.0)
-    whiten_advantages: bool = option(True, "z-score advantages over the batch's valid tokens (B8)")
+    whiten_advantages: bool = option(True, "z-score GAE's advantages over the batch's valid tokens (B8); the "
+                                     "critic-free estimators do what theirs prescribes (reinforce_pp always, the "
+                                     "group baselines never)")
     trim_padding: bool = option(True, "train on micro-batches of similar lengths with their all-padding columns "
                                 "cut (same loss and gradients, less compute)")
     early_stop: bool = option(True, "stop the epoch loop after an epoch whose mean approx KL to pi_old > "
@@ -181,7 +203,11 @@ class RunConfig:
     output_dir: str = option("runs/ppo", "run directory: config, metrics, samples, checkpoints, policy",
                              flag="--output-dir")
     steps: int = option(20, "total PPO steps of the run (--resume continues up to this)", low=1, flag="--steps")
-    batch_size: int = option(16, "prompts (rollouts) per PPO step, per process", low=1, flag="--batch-size")
+    batch_size: int = option(16, "prompts per PPO step, per process (each sampled --samples-per-prompt times)",
+                             low=1, flag="--batch-size")
+    samples_per_prompt: int = option(1, "K: responses sampled per prompt, a group kept together through "
+                                     "minibatching and on one process (the group baselines need K >= 2)", low=1,
+                                     flag="--samples-per-prompt")
     seed: int = option(0, "random seed", flag="--seed")
     save_every: int = option(0, "also checkpoint every N steps; 0 = by time only (--save-every-minutes)", low=0,
                              flag="--save-every")
@@ -205,6 +231,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     gae: GAEConfig = field(default_factory=GAEConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -235,10 +262,26 @@ class RunConfig:
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")
-        if (self.batch_size // self.ppo.mini_batches) % self.ppo.grad_accumulation:
+        if self.minibatch_size % self.ppo.grad_accumulation:
             raise ConfigError(f"--grad-accumulation: {self.ppo.grad_accumulation} does not divide the "
-                              f"minibatch of {self.batch_size // self.ppo.mini_batches}")
+                              f"minibatch of {self.minibatch_size} rows")
+        self.validate_advantage()
+
+    def validate_advantage(self) -> None:
+        estimator = self.advantage.estimator
+        if estimator in GROUP_BASELINES and self.samples_per_prompt < 2:
+            raise ConfigError(f"--advantage {estimator}: needs --samples-per-prompt of at least 2 (its baseline "
+                              f"is the other samples of the same prompt), got {self.samples_per_prompt}")
+        if self.advantage.critic_free and self.critic.warmup_steps:
+            raise ConfigError(f"--critic-warmup-steps: {self.critic.warmup_steps}, but --advantage {estimator} "
+                              "has no critic to warm up")
+
+    @property
+    def rows_per_step(self) -> int:
+        """Responses sampled per step and process: prompts × samples per prompt."""
+        return self.batch_size * self.samples_per_prompt
 
     @property
     def minibatch_size(self) -> int:
-        return self.batch_size // self.ppo.mini_batches
+        """Rows per minibatch: whole groups, since --mini-batches divides the prompts."""
+        return self.rows_per_step // self.ppo.mini_batches

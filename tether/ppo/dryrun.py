@@ -31,24 +31,29 @@ def launch_checklist(cfg) -> list[CheckItem]:
     """000 §D.7, in its order, for the run config ``cfg`` (a :class:`~tether.ppo.config.RunConfig`)."""
     k, p, r = cfg.kl, cfg.ppo, cfg.reward
     save = f"every {cfg.save_every} steps" if cfg.save_every else "only at the end"
+    critic_free = cfg.advantage.critic_free  # B17: no critic, so nothing to clip or warm up
+    advantage = (f"{cfg.advantage.estimator}, K = {cfg.samples_per_prompt}" if critic_free
+                 else "per-batch z-score" if p.whiten_advantages else "off")
     length = f"alpha = {r.length_penalty:g} per token" if r.length_penalty else "off"
     norm = f"clip [-{r.clip:g}, {r.clip:g}]" if r.clip else "no clip"
     norm += f", normalize {r.normalize}"
     return [
         CheckItem("KL controller", f"{k.controller}, beta {k.coef:g}, target {k.target:g}",
                   "adaptive, kl.target 0.01", k.controller != "fixed", "***"),
-        CheckItem("advantage normalisation", "per-batch z-score" if p.whiten_advantages else "off",
-                  "per-batch z-score", p.whiten_advantages, "***"),
-        CheckItem("value clipping", f"eps_v {p.clip_range_value:g}" if p.clip_range_value else "off",
-                  "eps_v 0.2", p.clip_range_value > 0, "***"),
+        CheckItem("advantage normalisation", advantage, "per-batch z-score", p.whiten_advantages or critic_free,
+                  "***"),
+        CheckItem("value clipping", "no critic" if critic_free else
+                  f"eps_v {p.clip_range_value:g}" if p.clip_range_value else "off",
+                  "eps_v 0.2", p.clip_range_value > 0 or critic_free, "***"),
         CheckItem("early stop by KL",
                   f"{p.early_stop_factor:g} x target_kl {p.target_kl:g}, every epoch" if p.early_stop else "off",
                   "checked every epoch", p.early_stop, "***"),
         CheckItem("held-out evaluation", f"every {cfg.eval.every} steps" if cfg.eval.every else "off",
                   "every N steps", cfg.eval.every > 0 and bool(cfg.data.eval_prompts or cfg.data.eval_fraction), "***"),
         CheckItem("old log-probs recomputed train-side", "always (B2)", "recomputed by the trainer", True, "***"),
-        CheckItem("critic warm-up", f"{cfg.critic.warmup_steps} steps" if cfg.critic.warmup_steps else "off",
-                  "a few critic-only steps first", cfg.critic.warmup_steps > 0, "**"),
+        CheckItem("critic warm-up", "no critic" if critic_free else
+                  f"{cfg.critic.warmup_steps} steps" if cfg.critic.warmup_steps else "off",
+                  "a few critic-only steps first", cfg.critic.warmup_steps > 0 or critic_free, "**"),
         CheckItem("reward clip / normalisation", norm, "r in [-5, 5]", 0 < r.clip <= 5 or r.normalize != "none",
                   "**"),
         CheckItem("gradient clipping", f"max norm {cfg.optim.max_grad_norm:g}" if cfg.optim.max_grad_norm else "off",
@@ -77,13 +82,13 @@ def run_plan_config(cfg, gpu_memory_gb: float) -> PlanConfig:
     from tether.ppo.sharding import fsdp_settings
 
     return PlanConfig(model=str(resolve_model_path(cfg.model.policy, what="policy")), dtype=cfg.model.dtype,
-                      batch_size=cfg.batch_size, prompt_length=cfg.data.max_prompt_length,
+                      batch_size=cfg.rows_per_step, prompt_length=cfg.data.max_prompt_length,
                       response_length=cfg.generation.max_new_tokens, lora_r=cfg.model.lora_r, critic_lora_r=0,
                       lora_targets="all" if cfg.model.lora_target_modules == "all-linear" else "attn",
                       zero=3 if fsdp_settings() else 0, gpus=int(os.environ.get("WORLD_SIZE", "1")),
                       gpu_memory=gpu_memory_gb,
                       gradient_checkpointing=cfg.model.gradient_checkpointing,
-                      critic="head" if cfg.critic.kind == "head" else "separate", value_head=cfg.critic.head)
+                      critic="none" if cfg.advantage.critic_free else cfg.critic.kind, value_head=cfg.critic.head)
 
 
 def device_memory_gb() -> tuple[float, str]:
@@ -106,9 +111,12 @@ def dry_run(cfg) -> str:
     result = plan(shape, plan_cfg)
     has_rm = any(os.path.isdir(os.path.expanduser(s)) for s in cfg.reward.sources)
     notes = [f"dry run of `tether ppo` for {cfg.model.policy} on {device} ({gb:.1f} GB); nothing loaded or trained",
-             "plan (the planner's model: critic and reward model counted at the policy's size"
+             "plan (the planner's model: " + ("no critic (--advantage " + cfg.advantage.estimator + "), three models; "
+                                               if cfg.advantage.critic_free else "critic and ")
+             + "reward model counted at the policy's size"
              + ("" if has_rm else "; this run's rewards are rules, so the RM row is memory it will not use") + "):"]
-    levers_note = ("(levers are `tether plan` flags; in `tether ppo` today: --lora-r, --critic head, --batch-size, "
+    levers_note = ("(levers are `tether plan` flags; in `tether ppo` today: --lora-r, --critic head, --critic none = "
+                   "--advantage rloo|grpo|dr_grpo|reinforce_pp, --batch-size, "
                    "--model-gradient-checkpointing; ZeRO and offload are not there yet)")
     checklist = format_checklist(launch_checklist(cfg))
     return "\n".join(notes) + "\n" + format_plan(shape, plan_cfg, result, levers(shape, plan_cfg, result["peak"])) \

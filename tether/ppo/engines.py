@@ -70,6 +70,6 @@ def make_engine(cfg, model, tokenizer, world_size: int = 1) -> Engine:
         base = transformers_model(model)
         max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
         max_model_len = min(max_model_len, context_positions(base.config) or max_model_len)
-        return VLLMEngine(model, tokenizer, max_model_len, rows=cfg.batch_size, seed=cfg.seed,
+        return VLLMEngine(model, tokenizer, max_model_len, rows=cfg.rows_per_step, seed=cfg.seed,
                           dtype=DTYPES[cfg.model.dtype])
     raise ConfigError(f"--engine: unknown rollout engine {name!r}; available: {', '.join(ENGINES)}")

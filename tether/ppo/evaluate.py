@@ -31,8 +31,8 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
 def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]:
     m, d = run.models, run.data
     samples, scores_all, correct_all = [], [], []
-    for start in range(0, len(rows), cfg.batch_size):
-        chunk = rows[start:start + cfg.batch_size]
+    for start in range(0, len(rows), cfg.rows_per_step):  # a rollout's rows at a time (K samples of each prompt)
+        chunk = rows[start:start + cfg.rows_per_step]
         prompts, fields = [r["prompt"] for r in chunk], collate_fields(chunk)
         rollout, responses = rollout_batch(m, cfg, chunk, greedy=cfg.eval.greedy)
         with m.precision.autocast():  # C5: as the step scores them

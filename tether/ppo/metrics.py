@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tether.core.group import group_spread
 from tether.core.stats import repetition_counts
 from tether.ppo.perf import PhaseTimer, padding_fraction, step_flops
 from tether.ppo.records import Rollout
@@ -64,6 +65,25 @@ def value_metrics(p, values_old: torch.Tensor, returns: torch.Tensor, mask: torc
             "value/mean": global_masked_mean(p, values_old, mask),
             "value/std": global_masked_var(p, values_old, mask) ** 0.5,
             "value/returns_std": global_masked_var(p, returns, mask) ** 0.5}
+
+
+def group_metrics(p, scores: torch.Tensor, valid: torch.Tensor, k: int) -> dict:
+    """With K ≥ 2 samples per prompt (B17, D1), over the groups of all processes that kept ≥ 2 samples: the share
+    whose scores are all equal (no spread: every group baseline gives them advantage 0, no signal), the share of
+    those at the step's highest score (solved) and at its lowest (unsolved; both when every score is equal), and
+    the mean within-group sample std of the scores. ``scores`` (B,), ``valid`` (B,) kept rows. {} for K = 1."""
+    if k < 2:
+        return {}
+    g = group_spread(scores, k, valid)
+    kept = scores[valid.bool()]
+    high = p.global_max(kept.max() if len(kept) else scores.new_tensor(-torch.inf))
+    low = p.global_min(kept.min() if len(kept) else scores.new_tensor(torch.inf))
+    flat = g["no_spread"]
+    n = max(p.global_sum(g["counted"].sum()), 1.0)
+    return {"group/no_spread_fraction": p.global_sum(flat.sum()) / n,
+            "group/solved_fraction": p.global_sum((flat & (g["high"] >= high)).sum()) / n,
+            "group/unsolved_fraction": p.global_sum((flat & (g["low"] <= low)).sum()) / n,
+            "group/reward_spread": p.global_sum(g["std"].sum()) / n}
 
 
 def response_metrics(p, rollout: Rollout) -> dict:

@@ -61,8 +61,8 @@ class Throughput:
     """What the step's FLOP count needs, measured once at set-up."""
 
     policy: FlopShape
-    critic: FlopShape | None   # a separate critic's backbone + value head; None: a head on the policy
-    value_head_params: int     # matmul weights of the value head (the whole critic cost of a head)
+    critic: FlopShape | None   # a separate critic's backbone + value head; None: a head on the policy, or none
+    value_head_params: int     # matmul weights of the value head (the whole critic cost of a head); 0: no critic
     peak: float                # FLOP/s of one device
     peak_source: str
 
@@ -71,7 +71,7 @@ def throughput_of(models, device: torch.device, dtype: torch.dtype = torch.float
     """FLOP shapes of the policy and the critic (``models``: :class:`~tether.ppo.setup.Models`) and the peak."""
     critic = models.unwrapped_critic
     head = getattr(critic, "head", critic)
-    head_params = sum(p.numel() for p in head.parameters() if p.dim() == 2)
+    head_params = sum(p.numel() for p in head.parameters() if p.dim() == 2) if critic is not None else 0
     critic_shape = None
     if hasattr(critic, "backbone"):
         body = flop_shape(critic.backbone)

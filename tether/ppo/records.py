@@ -70,13 +70,13 @@ class Experience:
     rollout: Rollout
     logprobs_old: torch.Tensor     # (B, T) log π_old(a_t|s_t), training-side forward (B2)
     logprobs_ref: torch.Tensor     # (B, T) log π_ref(a_t|s_t) (B3)
-    values_old: torch.Tensor       # (B, T) V_old(s_t), 0 on padding
-    last_values: torch.Tensor      # (B,) V_old(s_T) for truncated rows, 0 for rows that ended with EOS (B7)
+    values_old: torch.Tensor | None   # (B, T) V_old(s_t), 0 on padding; None without a critic (B17)
+    last_values: torch.Tensor | None  # (B,) V_old(s_T) for truncated rows, 0 for rows that ended with EOS (B7)
     scores: torch.Tensor           # (B,) sequence scores after penalties, normalisation and clip (B4)
     kl: torch.Tensor               # (B, T) per-token KL_t estimate, 0 on padding (B5)
     rewards: torch.Tensor          # (B, T) r̃_t = −β·KL_t, plus the score on the last token (B5)
     advantages: torch.Tensor       # (B, T) Â_t, whitened when configured (B7, B8)
-    returns: torch.Tensor          # (B, T) R_t = Â_t + V_old(s_t), before whitening (B7)
+    returns: torch.Tensor          # (B, T) R_t = Â_t + V_old(s_t) before whitening (B7); no critic: rewards-to-go
     valid: torch.Tensor | None = None  # (B,) bool: False = row dropped from the update (non-finite, B16)
 
     def __len__(self) -> int:

@@ -25,14 +25,19 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
     """Everything but the weights that the run needs to continue exactly; ``rng_per_rank``: every process's
     RNG state in rank order (each process samples its own responses). ``rng`` (rank 0's) stays for
     checkpoints read by older versions. ``optimizers``: the (policy, critic) optimiser states gathered from
-    sharded models, in place of the local ones."""
+    sharded models, in place of the local ones. A run without a critic (B17) saves None for its states."""
     o, d = run.optim, run.data
-    optimizers = optimizers or (o.policy_optimizer.state_dict(), o.critic_optimizer.state_dict())
+    optimizers = optimizers or (o.policy_optimizer.state_dict(), state_of(o.critic_optimizer))
     return {"step": step, "policy_optimizer": optimizers[0], "critic_optimizer": optimizers[1],
-            "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": o.critic_scheduler.state_dict(),
+            "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": state_of(o.critic_scheduler),
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
             "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
             "grad_scaler": o.scaler.state_dict()}  # fp16's loss scale and its growth count; {} otherwise
+
+
+def state_of(x) -> dict | None:
+    """``x.state_dict()``, or None for the critic's optimiser and schedule of a run without a critic."""
+    return None if x is None else x.state_dict()
 
 
 def restore_rng(run, state: dict) -> None:
@@ -62,13 +67,16 @@ def restore(run, run_dir: Path) -> int:
     state = load_weights(run, checkpoints[-1])
     if m.fsdp is not None:  # full optimiser states keyed by parameter name; each process keeps its shard
         load_full_optimizer_state(m.policy_model, o.policy_optimizer, state["policy_optimizer"])
-        load_full_optimizer_state(m.critic, o.critic_optimizer, state["critic_optimizer"])
+        if m.critic is not None:
+            load_full_optimizer_state(m.critic, o.critic_optimizer, state["critic_optimizer"])
     else:
         o.policy_optimizer.load_state_dict(state["policy_optimizer"])
-        o.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        if m.critic is not None:
+            o.critic_optimizer.load_state_dict(state["critic_optimizer"])
     # Only the schedules' positions come from the checkpoint: their shape is this run's (--steps may have grown).
     o.policy_scheduler = continue_schedule(o.policy_scheduler, state["policy_scheduler"]["last_epoch"])
-    o.critic_scheduler = continue_schedule(o.critic_scheduler, state["critic_scheduler"]["last_epoch"])
+    if m.critic is not None:
+        o.critic_scheduler = continue_schedule(o.critic_scheduler, state["critic_scheduler"]["last_epoch"])
     o.kl_controller.load_state_dict(state["kl_controller"])
     if state.get("grad_scaler"):  # fp16 (a resumed run has the saved --model-dtype: check_same_config)
         o.scaler.load_state_dict(state["grad_scaler"])
@@ -160,9 +168,11 @@ def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
     m, o = run.models, run.optim
     sharded = {}
     if m.fsdp is not None:  # full states gathered on the main process (collective)
-        sharded = {"policy_state": full_model_state(m.policy_model), "critic_state": full_model_state(m.critic),
+        critic = m.critic is not None
+        sharded = {"policy_state": full_model_state(m.policy_model),
+                   "critic_state": full_model_state(m.critic) if critic else None,
                    "optimizers": (full_optimizer_state(m.policy_model, o.policy_optimizer),
-                                  full_optimizer_state(m.critic, o.critic_optimizer))}
+                                  full_optimizer_state(m.critic, o.critic_optimizer) if critic else None)}
     saved = None
     if run.processes.is_main:
         state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None))

@@ -202,9 +202,11 @@ def without_early_eos(logits: torch.Tensor, eos_ids: tuple[int, ...], min_new_to
     return logits.masked_fill(banned, torch.finfo(logits.dtype).min)
 
 
-def critic_values(critic, batch: Rollout, hidden: torch.Tensor | None) -> torch.Tensor:
+def critic_values(critic, batch: Rollout, hidden: torch.Tensor | None) -> torch.Tensor | None:
     """V(s_0) … V(s_T), (B, T+1): from the policy's (detached) hidden states for a value head, or from
-    a separate critic's own forward."""
+    a separate critic's own forward; None when the run has no critic (a critic-free estimator, B17)."""
+    if critic is None:
+        return None
     head = getattr(critic, "module", critic)
     if isinstance(head, ValueHead):
         return critic(hidden.detach())

@@ -4,7 +4,8 @@
 
 - :class:`~tether.ppo.processes.Processes` — the accelerator, this process's rank, the cross-process
   reductions (:mod:`tether.ppo.processes`);
-- :class:`Models` — tokenizer, policy (and its reference), critic, and the precision they compute in (C5);
+- :class:`Models` — tokenizer, policy (and its reference), critic (none for a critic-free estimator, B17), and
+  the precision they compute in (C5);
 - :class:`Optimisation` — optimisers, schedulers, the parameters they own, the fp16 loss scaler, the KL
   controller;
 - :class:`Data` — the prompt stream, held-out rows, reward sources, the gold rule, the score normaliser.
@@ -57,8 +58,8 @@ class Models:
     policy: Policy                 # reference access: the adapter disabled (LoRA) or the frozen copy
     policy_model: nn.Module
     unwrapped_policy: PreTrainedModel
-    critic: nn.Module              # ValueHead on the policy's hidden states, or SeparateCritic
-    unwrapped_critic: nn.Module
+    critic: nn.Module | None       # ValueHead on the policy's hidden states, SeparateCritic, or None (B17)
+    unwrapped_critic: nn.Module | None
     engine: Engine                 # samples the rollouts (C3): --engine, over unwrapped_policy
     precision: Precision           # every policy/reference/critic forward runs in precision.autocast() (C5)
     fsdp: FsdpSettings | None = None
@@ -73,9 +74,9 @@ class Optimisation:
     """What updates the weights and β, and the state a checkpoint must carry to resume exactly."""
 
     policy_optimizer: torch.optim.Optimizer
-    critic_optimizer: torch.optim.Optimizer
+    critic_optimizer: torch.optim.Optimizer | None       # None without a critic (a critic-free estimator, B17)
     policy_scheduler: torch.optim.lr_scheduler.LRScheduler
-    critic_scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None
     policy_params: list[nn.Parameter]
     critic_params: list[nn.Parameter]
     kl_controller: FixedKLController   # fixed, adaptive or proportional (same interface)
@@ -170,20 +171,21 @@ def adamw(params: list, lr: float, o) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=o.weight_decay, eps=o.adam_eps, fused=fused or None)
 
 
-def make_optimisation(cfg, policy: Policy, critic: nn.Module, precision: Precision) -> Optimisation:
+def make_optimisation(cfg, policy: Policy, critic: nn.Module | None, precision: Precision) -> Optimisation:
     from transformers import get_scheduler
 
     o = cfg.optim
     policy_params = [p for p in policy.model.parameters() if p.requires_grad]
-    critic_params = [p for p in critic.parameters() if p.requires_grad]
+    critic_params = [p for p in critic.parameters() if p.requires_grad] if critic is not None else []
     policy_optimizer = adamw(policy_params, o.lr, o)
-    critic_optimizer = adamw(critic_params, o.critic_lr, o)
+    critic_optimizer = adamw(critic_params, o.critic_lr, o) if critic is not None else None
     total_updates = cfg.steps * cfg.ppo.epochs * cfg.ppo.mini_batches
     schedule = "constant_with_warmup" if o.schedule == "constant" else o.schedule  # "constant" ignores warm-up
     return Optimisation(
         policy_optimizer=policy_optimizer, critic_optimizer=critic_optimizer,
         policy_scheduler=get_scheduler(schedule, policy_optimizer, o.warmup_steps, total_updates),
-        critic_scheduler=get_scheduler(schedule, critic_optimizer, o.warmup_steps, total_updates),
+        critic_scheduler=None if critic is None else get_scheduler(schedule, critic_optimizer, o.warmup_steps,
+                                                                    total_updates),
         policy_params=policy_params, critic_params=critic_params,
         kl_controller=make_kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon),
         scaler=precision.grad_scaler())
@@ -226,16 +228,19 @@ def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: l
 
 def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer, use_chat_template: bool,
                optim: Optimisation, cfg, precision: Precision) -> Models:
-    """Policy and critic wrapped by ``accelerator.prepare`` (DDP under several processes)."""
+    """Policy and critic (when there is one) wrapped by ``accelerator.prepare`` (DDP under several processes)."""
     accelerator = processes.accelerator
-    policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
-        policy.model, critic, optim.policy_optimizer, optim.critic_optimizer)
+    if critic is None:  # a critic-free estimator (B17)
+        policy_model, optim.policy_optimizer = accelerator.prepare(policy.model, optim.policy_optimizer)
+    else:
+        policy_model, critic, optim.policy_optimizer, optim.critic_optimizer = accelerator.prepare(
+            policy.model, critic, optim.policy_optimizer, optim.critic_optimizer)
+        critic.train()
     policy_model.train()
-    critic.train()
     unwrapped_policy = accelerator.unwrap_model(policy_model)
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy_model, unwrapped_policy=unwrapped_policy,
-                  critic=critic, unwrapped_critic=accelerator.unwrap_model(critic),
+                  critic=critic, unwrapped_critic=None if critic is None else accelerator.unwrap_model(critic),
                   engine=make_engine(cfg, unwrapped_policy, tokenizer, processes.world_size), precision=precision)
 
 
@@ -243,7 +248,8 @@ def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, toke
                    use_chat_template: bool, cfg, precision: Precision) -> Models:
     """Policy and critic sharded with FSDP2 (tether.ppo.sharding), in place; the reference stays whole."""
     shard(policy.model, processes.fsdp, processes.device).train()
-    shard(critic, processes.fsdp, processes.device).train()
+    if critic is not None:
+        shard(critic, processes.fsdp, processes.device).train()
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy.model, unwrapped_policy=policy.model, critic=critic, unwrapped_critic=critic,
                   engine=make_engine(cfg, policy.model, tokenizer, processes.world_size), precision=precision,
@@ -269,8 +275,8 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device,
                             cfg.reward.process, cfg.reward.process_threshold, given.rewards if given else None)
     probe_rules(sources, train_rows[:4])
-    critic = load_critic(cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path),
-                         cfg.model)
+    critic = None if cfg.advantage.critic_free else load_critic(
+        cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path), cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
     check_context(cfg, tokenizer, use_chat_template, policy.model.config, train_rows + eval_rows)
     if policy.reference is not None:

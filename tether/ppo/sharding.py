@@ -180,9 +180,9 @@ def adapter_keys_to_model_keys(saved: dict[str, torch.Tensor], model_keys) -> di
     return out
 
 
-def load_sharded_checkpoint(path, policy_model: nn.Module, critic: nn.Module) -> dict:
+def load_sharded_checkpoint(path, policy_model: nn.Module, critic: nn.Module | None) -> dict:
     """Restore a checkpoint's weights into sharded models (every process reads the files and keeps its shard)
-    and return its trainer state. Collective."""
+    and return its trainer state. Collective. ``critic`` None: the run has none (B17), nor the checkpoint."""
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -193,5 +193,6 @@ def load_sharded_checkpoint(path, policy_model: nn.Module, critic: nn.Module) ->
     if hasattr(policy_model, "peft_config"):
         saved = adapter_keys_to_model_keys(saved, policy_model.state_dict().keys())
     load_full_model_state(policy_model, saved)  # tied weights (lm_head) are not in the file: they follow
-    load_full_model_state(critic, load_file(str(Path(path) / "critic.safetensors")))
+    if critic is not None:
+        load_full_model_state(critic, load_file(str(Path(path) / "critic.safetensors")))
     return torch.load(Path(path) / "trainer_state.pt", weights_only=True)

@@ -2,11 +2,12 @@
 
 :func:`ppo_step` is the algorithm, top to bottom in data-flow order (reference 000 §B.3):
 
-  1. rollout: sample responses (B1)                 6. GAE with the truncation bootstrap (B7)
-  2. old log-probs, training-side forward (B2)      7. whiten advantages (B8); freeze: the Experience
-  3. reference log-probs (B3)                       8. ppo_epochs × shuffled minibatches (B9, B6)
-  4. values V_old(s_t) and V_old(s_T)               9. early stop on approx KL to π_old (B10)
-  5. scores (B4) → per-token rewards (B5)          10. KL controller (B11)
+  1. rollout: K samples per prompt (B1, B17)        6. advantages: GAE with the truncation bootstrap (B7), or
+  2. old log-probs, training-side forward (B2)         a critic-free estimator on the groups of K (B17)
+  3. reference log-probs (B3)                       7. whiten GAE's advantages (B8); freeze: the Experience
+  4. values V_old(s_t) and V_old(s_T) (a critic)    8. ppo_epochs × shuffled minibatches of groups (B9, B6)
+  5. scores (B4) → per-token rewards (B5)           9. early stop on approx KL to π_old (B10)
+                                                   10. KL controller (B11)
 
 It reads a :class:`~tether.ppo.setup.Run` (processes, models, optimisation, data) and makes the two
 records of :mod:`tether.ppo.records`: the :class:`Rollout` (step 1) and the :class:`Experience` (end of
@@ -19,9 +20,11 @@ from __future__ import annotations
 import torch
 
 from tether.core.advantages import gae, shaped_rewards, whiten
+from tether.core.group import critic_free_advantages
 from tether.core.kl import kl_penalty
 from tether.ppo.metrics import (
     global_masked_mean,
+    group_metrics,
     objective_metrics,
     perf_metrics,
     response_metrics,
@@ -59,7 +62,8 @@ def ppo_step(run, cfg, step: int) -> dict:
     """One PPO step on ``run`` (:class:`~tether.ppo.setup.Run`). Returns the metrics."""
     p, m, o, d = run.processes, run.models, run.optim, run.data
     timer = PhaseTimer()
-    rows, temperature = d.prompts.next_batch(), cfg.generation.temperature
+    temperature, k = cfg.generation.temperature, cfg.samples_per_prompt
+    rows = [row for row in d.prompts.next_batch() for _ in range(k)]  # K adjacent rows per prompt: a group (B17)
     prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
 
     # 1. Rollout (B1): an engine holding its own weights takes the current ones first (C3; here, so a resumed
@@ -83,7 +87,7 @@ def ppo_step(run, cfg, step: int) -> dict:
             with m.policy.reference_model(m.policy_model) as reference:
                 logprobs_ref, _, _ = forward_response(reference, rollout, temperature)
             timer.split("reference")
-            values_all = critic_values(m.critic, rollout, hidden)  # 4. Values V(s_0) … V(s_T), (B, T+1)
+            values_all = critic_values(m.critic, rollout, hidden)  # 4. Values V(s_0) … V(s_T), (B, T+1) or None
         values_old, last_values = split_values(values_all, rollout)
         timer.split("values")
         # 5a. The reward sources (B4, A9): sequence scores and a process RM's dense step rewards, apart.
@@ -97,18 +101,17 @@ def ppo_step(run, cfg, step: int) -> dict:
         # 5c. B4's penalties, normalisation and clip on the sequence channel (over all processes' kept rows).
         sequence_scores = postprocess_scores(sequence_raw, rollout.lengths, rollout.ended_with_eos, cfg.reward,
                                              d.running_scores, valid, gather=p.all_gather)
-        # 5d. Per-token rewards (B5): −β·KL_t on every token, the sequence score on the last one, each step
-        # reward on the token that ends its step.
+        # 5d. Per-token rewards (B5): −β·KL_t on every token (β = 0 here when the KL is a loss term instead,
+        # kl.penalty_in), the sequence score on the last one, each step reward on the token that ends its step.
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * response_mask  # (B, T)
-        rewards = shaped_rewards(sequence_scores, kl, o.kl_controller.value, response_mask) \
-            + step_rewards * response_mask
-        # 6. GAE (B7) with V(s_T) bootstrapping truncated rows. Returns use the un-whitened advantages.
-        advantages, returns = gae(rewards, values_old, response_mask, cfg.gae.gamma, cfg.gae.lam, last_values)
-        # 7. Whitening (B8) over the valid tokens of all ranks; then everything is frozen.
-        if cfg.ppo.whiten_advantages:
-            advantages = whiten(advantages, response_mask, distributed=p.world_size > 1)
-        timer.split("reward")  # steps 5-7: reward sources, per-token rewards, GAE, whitening
-    scores = sequence_scores + step_rewards.sum(dim=1)  # what each response earned in all (objective/scores)
+        beta_reward = o.kl_controller.value if cfg.kl.penalty_in == "reward" else 0.0
+        rewards = shaped_rewards(sequence_scores, kl, beta_reward, response_mask) + step_rewards * response_mask
+        scores = sequence_scores + step_rewards.sum(dim=1)  # what each response earned in all (objective/scores)
+        # 6.–7. Advantages (B7, B8, B17): GAE on the critic's values, whitened; or, without a critic, a group
+        # (or batch) baseline on the scores (cfg.advantage). Then everything is frozen.
+        advantages, returns = estimate_advantages(cfg, p.world_size > 1, rewards, values_old, last_values, scores,
+                                                  kl, beta_reward, response_mask, valid)
+        timer.split("reward")  # steps 5-7: reward sources, per-token rewards, advantages, whitening
     # The training forwards never see a dropped row's input (its NaN would recur: 0·NaN = NaN in the masked
     # losses and their gradients): it is replaced by a kept row, with no weight in any loss.
     experience = Experience(rollout=stand_in_rows(rollout, valid), logprobs_old=logprobs_old,
@@ -136,6 +139,23 @@ def ppo_step(run, cfg, step: int) -> dict:
             **train_stats, "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
 
 
+def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_old: torch.Tensor | None,
+                        last_values: torch.Tensor | None, scores: torch.Tensor, kl: torch.Tensor, kl_coef: float,
+                        mask: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 6–7: ``(advantages, returns)``, (B, T) each. With a critic (``values_old`` not None), GAE on the
+    per-token ``rewards`` (B7), bootstrapping truncated rows with V(s_T), returns from the un-whitened advantages,
+    then whitening over the valid tokens of all ranks (B8). Without one (B17), tether.core.group's estimator on
+    the rows' ``scores`` and per-token ``kl`` (β = ``kl_coef``): each row's score against its group's (RLOO, GRPO,
+    Dr. GRPO) on its last token, −β·KL_t on every token, rewards-to-go; REINFORCE++ whitens them over all ranks."""
+    if values_old is None:
+        return critic_free_advantages(cfg.advantage.estimator, scores, kl, kl_coef, mask, cfg.samples_per_prompt,
+                                      cfg.gae.gamma, cfg.advantage.std_eps, valid, distributed=distributed)
+    advantages, returns = gae(rewards, values_old, mask, cfg.gae.gamma, cfg.gae.lam, last_values)
+    if cfg.ppo.whiten_advantages:
+        advantages = whiten(advantages, mask, distributed=distributed)
+    return advantages, returns
+
+
 def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Experience, scores_raw: torch.Tensor,
                  entropy: torch.Tensor, kl_mean: float, beta_used: float, epochs_run: int) -> dict:
     """The step's metrics (B12, C2, C6) over all processes, from the rollout as it was sampled and the experience."""
@@ -143,7 +163,8 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Ex
     return {
         **objective_metrics(p, e.scores, scores_raw, e.rewards, e.kl, mask, e.valid, kl_mean, beta_used),
         "policy/entropy": global_masked_mean(p, entropy, mask),
-        **value_metrics(p, e.values_old, e.returns, mask),
+        **(value_metrics(p, e.values_old, e.returns, mask) if e.values_old is not None else {}),
+        **group_metrics(p, e.scores, e.valid, cfg.samples_per_prompt),
         **response_metrics(p, rollout),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float())),
@@ -165,7 +186,9 @@ def scoring_mode(fsdp):
 def split_values(values_all: torch.Tensor, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T+1) V(s_0) … V(s_T) → ``values_old`` (B, T), 0 on padding, and ``last_values`` (B,): V(s_T) at each
     row's end for rows cut by max_new_tokens (the bootstrap, B7), 0 for rows that ended with EOS. Selected,
-    not multiplied, so that a NaN where nothing is used stays out."""
+    not multiplied, so that a NaN where nothing is used stays out. No critic (``values_all`` None): (None, None)."""
+    if values_all is None:
+        return None, None
     mask = rollout.response_mask.bool()
     values_old = torch.where(mask, values_all[:, :-1], 0.0)
     at_end = values_all[torch.arange(len(rollout), device=values_all.device), rollout.lengths]
@@ -174,8 +197,9 @@ def split_values(values_all: torch.Tensor, rollout: Rollout) -> tuple[torch.Tens
 
 
 def zero_rows(valid: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each tensor (B, ...) with the rows where ``valid`` (B,) is False set to 0 (a NaN row becomes 0 too)."""
-    return tuple(torch.where(valid.view(-1, *[1] * (t.dim() - 1)), t, 0.0) for t in tensors)
+    """Each tensor (B, ...) with the rows where ``valid`` (B,) is False set to 0 (a NaN row becomes 0 too); None
+    stays None (no critic, no values)."""
+    return tuple(t if t is None else torch.where(valid.view(-1, *[1] * (t.dim() - 1)), t, 0.0) for t in tensors)
 
 
 def stand_in_rows(rollout: Rollout, valid: torch.Tensor) -> Rollout:
@@ -193,10 +217,12 @@ def stand_in_rows(rollout: Rollout, valid: torch.Tensor) -> Rollout:
 def finite_rows(rewards_raw: RewardScores, per_token: tuple, last_values: torch.Tensor, mask: torch.Tensor
                 ) -> tuple[torch.Tensor, list[str]]:
     """(B,) bool: rows whose scores (both channels), bootstrap value V(s_T) and per-token tensors (on their valid
-    tokens) are all finite (B16), and one alert line naming the dropped rows and why (a rule that raised says so)."""
+    tokens) are all finite (B16), and one alert line naming the dropped rows and why (a rule that raised says so).
+    Without a critic the values and the bootstrap are None and not checked."""
     score_ok = torch.isfinite(rewards_raw.total).to(mask.device)
-    token_ok = torch.stack([(torch.isfinite(x) | (mask == 0)).all(dim=1) for x in per_token]).all(dim=0)
-    bootstrap_ok = torch.isfinite(last_values)
+    token_ok = torch.stack([(torch.isfinite(x) | (mask == 0)).all(dim=1) for x in per_token if x is not None]
+                           ).all(dim=0)
+    bootstrap_ok = torch.isfinite(last_values) if last_values is not None else torch.ones_like(score_ok)
     valid = score_ok & token_ok & bootstrap_ok
     if valid.all():
         return valid, []

@@ -230,7 +230,8 @@ def check_ranks_in_sync(run, log: RunLog, run_dir: Path) -> bool:
                 h.update(p.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
-    mine = {"policy": digest(run.models.unwrapped_policy), "critic": digest(run.models.unwrapped_critic)}
+    critic = run.models.unwrapped_critic
+    mine = {"policy": digest(run.models.unwrapped_policy), "critic": digest(critic) if critic is not None else None}
     gathered = [None] * run.processes.world_size
     torch.distributed.all_gather_object(gathered, mine)
     in_sync = all(g == gathered[0] for g in gathered)

@@ -13,6 +13,8 @@ import math
 import torch
 
 from tether.core.advantages import masked_mean
+from tether.core.group import group_permutation
+from tether.core.kl import kl_penalty
 from tether.core.losses import ppo_policy_loss, ppo_value_loss
 from tether.ppo.records import Experience
 from tether.ppo.rollout import critic_values, forward_response
@@ -21,7 +23,8 @@ from tether.ppo.sharding import grad_norm_value
 
 def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
     """ppo.epochs × shuffled minibatches of clipped policy and value updates (B9, B6), with gradient
-    accumulation, per-model grad-norm clipping, critic warm-up and the KL early stop (B10): after an epoch
+    accumulation, per-model grad-norm clipping, critic warm-up and the KL early stop (B10). The shuffle moves
+    whole groups (the K samples of a prompt stay together in one minibatch, B17; K = 1: the rows). After an epoch
     whose mean approx KL to π_old exceeds ``ppo.early_stop_factor × ppo.target_kl``, no further epoch runs.
     Returns the mean stats of the applied updates and the number of epochs run."""
     p = run.processes
@@ -33,7 +36,7 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
     # A per-step generator makes the minibatch order independent of everything else (exact resume).
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     for _ in range(cfg.ppo.epochs):
-        order = torch.randperm(len(experience), generator=g).to(p.device)
+        order = group_permutation(len(experience) // cfg.samples_per_prompt, cfg.samples_per_prompt, g).to(p.device)
         epoch_kl = []
         for start in range(0, len(experience), cfg.minibatch_size):
             stats = minibatch_update(run, cfg, experience.select(order[start:start + cfg.minibatch_size]),
@@ -72,18 +75,20 @@ def minibatch_update(run, cfg, minibatch: Experience, critic_only: bool) -> dict
         minibatch = minibatch.select(torch.argsort(total, stable=True))
     # The losses are token means over the minibatch of *all* processes. DDP averages gradients over
     # processes, so a micro-batch weighs (its tokens × world size / all processes' tokens): processes
-    # holding more tokens weigh more, exactly as one process with the whole minibatch would.
-    n_tokens = max(p.global_sum(minibatch.response_mask.sum()), 1.0) / p.world_size
+    # holding more tokens weigh more, exactly as one process with the whole minibatch would. (Dr. GRPO: rows
+    # × max_new_tokens in place of tokens, loss_normaliser.)
+    n_tokens = max(p.global_sum(loss_normaliser(cfg, minibatch)), 1.0) / p.world_size
     run.optim.policy_optimizer.zero_grad(set_to_none=True)
-    run.optim.critic_optimizer.zero_grad(set_to_none=True)
+    if run.optim.critic_optimizer is not None:
+        run.optim.critic_optimizer.zero_grad(set_to_none=True)
     micro = cfg.minibatch_size // cfg.ppo.grad_accumulation
     stats: dict[str, float] = {}
     ratio_max = 0.0
     for m0 in range(0, len(minibatch), micro):
         mb = minibatch.select(torch.arange(m0, m0 + micro, device=p.device))
         mb = mb.trimmed() if cfg.ppo.trim_padding else mb
-        weight = mb.response_mask.sum() / n_tokens
-        with p.no_sync([m.policy_model, m.critic], last=m0 + micro >= len(minibatch)):
+        weight = loss_normaliser(cfg, mb) / n_tokens
+        with p.no_sync([x for x in (m.policy_model, m.critic) if x is not None], last=m0 + micro >= len(minibatch)):
             mb_stats = minibatch_loss(run, cfg, mb, critic_only, weight)
         ratio_max = max(ratio_max, mb_stats.pop("ratio_max", 0.0))
         for k, v in mb_stats.items():
@@ -99,10 +104,22 @@ def minibatch_update(run, cfg, minibatch: Experience, critic_only: bool) -> dict
     return {**stats, **step_stats, "ratio_max": ratio_max}
 
 
+def loss_normaliser(cfg, experience: Experience) -> torch.Tensor:
+    """What the token terms of the loss over ``experience``'s rows are divided by: their valid tokens (a token
+    mean, B9), or for Dr. GRPO their kept rows × max_new_tokens, a constant per response (Liu et al. 2025 §3.1:
+    a token of a long response weighs what one of a short response does, so length is not rewarded by the
+    normalisation)."""
+    mask = experience.response_mask
+    if cfg.advantage.estimator == "dr_grpo":
+        return mask.any(dim=1).sum() * cfg.generation.max_new_tokens
+    return mask.sum()
+
+
 def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Tensor) -> dict:
-    """Forward one micro-batch, backward ``weight ×`` (−L_CLIP + c1·L_VF − c2·H) (times the fp16 loss scale);
-    returns its stats. The entropy's graph is built only when c2 > 0: over a large vocabulary its softmax is
-    the biggest tensor saved for backward."""
+    """Forward one micro-batch, backward ``weight ×`` (−L_CLIP + c1·L_VF − c2·H + β·KL) (times the fp16 loss
+    scale); returns its stats. L_VF only with a critic; β·KL only with kl.penalty_in = loss: the token mean of
+    k3(π, π_ref) = π_ref/π − log(π_ref/π) − 1 (GRPO's, Shao et al. 2024 eq. 4). The entropy's graph is built
+    only when c2 > 0: over a large vocabulary its softmax is the biggest tensor saved for backward."""
     m = run.models
     mask = mb.response_mask.float()
     entropy_coef = cfg.ppo.entropy_coef
@@ -111,17 +128,31 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
             logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
                                                          need_hidden=m.critic_is_head,
                                                          entropy_grad=entropy_coef > 0)
-        values = critic_values(m.critic, mb.rollout, hidden)[:, :-1]  # (B, T)
-    clip_v = cfg.ppo.clip_range_value or None
-    value_loss, value_stats = ppo_value_loss(values, mb.values_old, mb.returns, mask, clip_v)
-    loss = cfg.ppo.vf_coef * value_loss
-    stats = {"value/loss": value_loss.item(), "value/clip_fraction": value_stats["clip_fraction"].item()}
+        values = critic_values(m.critic, mb.rollout, hidden)  # (B, T+1), None without a critic
+    loss, stats = None, {}
+    if values is not None:
+        clip_v = cfg.ppo.clip_range_value or None
+        value_loss, value_stats = ppo_value_loss(values[:, :-1], mb.values_old, mb.returns, mask, clip_v)
+        loss = cfg.ppo.vf_coef * value_loss
+        stats = {"value/loss": value_loss.item(), "value/clip_fraction": value_stats["clip_fraction"].item()}
     if not critic_only:
+        # Dr. GRPO: every token term over the micro-batch's rows × max_new_tokens, not its tokens
+        normaliser = loss_normaliser(cfg, mb).clamp(min=1) if cfg.advantage.estimator == "dr_grpo" else None
+
+        def token_mean(x: torch.Tensor) -> torch.Tensor:
+            return masked_mean(x, mask) if normaliser is None else (x * mask).sum() / normaliser
+
         policy_loss, policy_stats = ppo_policy_loss(logprobs, mb.logprobs_old, mb.advantages, mask,
                                                     cfg.ppo.clip_range)
-        loss = loss + policy_loss
+        if normaliser is not None:  # the token mean Σ/n_tokens made Σ/normaliser
+            policy_loss = policy_loss * mask.sum().clamp(min=1.0) / normaliser
+        loss = policy_loss if loss is None else loss + policy_loss
         if entropy_coef > 0:
-            loss = loss - entropy_coef * masked_mean(entropy, mask)
+            loss = loss - entropy_coef * token_mean(entropy)
+        if cfg.kl.penalty_in == "loss":
+            kl_loss = token_mean(kl_penalty(logprobs, mb.logprobs_ref, "k3"))
+            loss = loss + run.optim.kl_controller.value * kl_loss
+            stats["policy/kl_loss"] = kl_loss.item()
         stats.update({"policy/loss": policy_loss.item(),
                       "policy/clip_fraction": policy_stats["clip_fraction"].item(),
                       "policy/approx_kl": policy_stats["approx_kl"].item(),
@@ -144,8 +175,9 @@ def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:
     if not critic_only:
         scaler.unscale_(optim.policy_optimizer)  # the norm and its clip are of the true gradients
         out["policy/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.policy_params, max_norm))
-    scaler.unscale_(optim.critic_optimizer)
-    out["value/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
+    if optim.critic_optimizer is not None:
+        scaler.unscale_(optim.critic_optimizer)
+        out["value/grad_norm"] = grad_norm_value(torch.nn.utils.clip_grad_norm_(optim.critic_params, max_norm))
     if not all(math.isfinite(v) for v in out.values()):
         scaler.update()  # fp16: saw inf, so S /= 2; nothing stepped (the next minibatch zeroes the gradients)
         return None
@@ -154,8 +186,10 @@ def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:
         out["policy/lr"] = optim.policy_optimizer.param_groups[0]["lr"]
         scaler.step(optim.policy_optimizer)  # finite gradients: a plain optimizer.step()
         optim.policy_scheduler.step()
-    out["value/lr"] = optim.critic_optimizer.param_groups[0]["lr"]
-    scaler.step(optim.critic_optimizer)
+    if optim.critic_optimizer is not None:
+        out["value/lr"] = optim.critic_optimizer.param_groups[0]["lr"]
+        scaler.step(optim.critic_optimizer)
     scaler.update()
-    optim.critic_scheduler.step()
+    if optim.critic_scheduler is not None:
+        optim.critic_scheduler.step()
     return out

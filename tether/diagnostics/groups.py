@@ -1,0 +1,58 @@
+"""The doctor's reading of a "no signal in the groups" alarm (SPEC B17, D1-D2).
+
+With K samples per prompt, a group whose samples all got the same score gives every group baseline (RLOO, GRPO,
+Dr. GRPO) a zero advantage: the rollout spent on it teaches nothing. Which way the groups are flat decides the
+cure: none of the samples rewarded (the task is too hard for the policy: easier prompts, SFT first), all of them
+(too easy: harder prompts), or every sample of the step alike (the reward does not vary: check it). A larger K
+helps the first two: K samples hold a success with probability 1 − (1 − p)^K. The metrics are
+``group/solved_fraction`` and ``group/unsolved_fraction`` (docs/metrics.md). Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+Prescription = tuple[str, "str | None", Callable[[Any], "str | None"]]  # action, config key, suggestion
+
+
+def _double(current) -> str | None:
+    return f"{2 * current}" if isinstance(current, int) and not isinstance(current, bool) else None
+
+
+def _none(current) -> None:
+    return None
+
+
+FIRST: dict[str, Prescription] = {
+    "unsolved": ("no sample of most groups is rewarded: easier prompts, or more SFT first (a group baseline "
+                 "learns only where some samples of a prompt succeed)", "data.prompts", _none),
+    "solved": ("every sample of most groups is already rewarded: harder prompts (a solved group teaches "
+               "nothing more)", "data.prompts", _none),
+    "constant": ("every sample of the step got the same score: check that the reward varies (a constant rule, "
+                 "or scores clipped flat by reward.clip)", "reward.sources", _none),
+}
+THEN: list[Prescription] = [
+    ("more samples per prompt: K samples hold a success (or a failure) with probability 1 − (1 − p)^K",
+     "samples_per_prompt", _double),
+    ("a denser reward: partial credit, or a process reward model's step rewards (--prm-reward per_step)",
+     "reward.process", _none),
+]
+
+
+def flat_groups_kind(rows: list[dict], since_step: int = 0) -> str:
+    """``unsolved``, ``solved`` or ``constant``: where the flat groups of ``rows`` (metrics.jsonl, from step
+    ``since_step`` on) sit. Solved and unsolved are disjoint unless every sample of a step scored alike (then
+    each equals the no-spread share): an overlap of more than half means the steps were constant."""
+    def mean(key: str) -> float:
+        xs = [r[key] for r in rows if r.get("step", 0) >= since_step and isinstance(r.get(key), (int, float))]
+        return sum(xs) / len(xs) if xs else 0.0
+
+    flat, solved, unsolved = (mean(f"group/{k}_fraction") for k in ("no_spread", "solved", "unsolved"))
+    if flat > 0 and solved + unsolved > 1.5 * flat:
+        return "constant"
+    return "solved" if solved > unsolved else "unsolved"
+
+
+def flat_groups_prescriptions(rows: list[dict], since_step: int = 0) -> list[Prescription]:
+    """The prescriptions for a "no signal in the groups" alarm, in priority order, the first for its kind."""
+    return [FIRST[flat_groups_kind(rows, since_step)], *THEN]
