@@ -227,8 +227,9 @@ def merged_lora_copy(model, state: dict | None):
 
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
     """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
-    forward is collective: every process evaluates the same rows, the main process's figures are kept."""
-    if not run.processes.is_main and run.models.fsdp is None:
+    forward, and a collective engine's generate, are collective: every process evaluates the same rows, the main
+    process's figures are kept."""
+    if not run.processes.is_main and run.models.fsdp is None and not run.models.engine.collective:
         return {}
     metrics, samples = evaluate(run, cfg, step)
     if not run.processes.is_main:
@@ -263,6 +264,12 @@ def train(cfg, resume: bool = False) -> Path:
     from tether.diagnostics.health import HealthMonitor
     from tether.ppo.setup import setup
 
+    from tether.ppo.layout import launch_layout
+
+    if launch_layout(cfg).is_rollout:  # disaggregated layout: this process only generates (tether.ppo.rollout_process)
+        from tether.ppo.rollout_process import serve
+
+        return serve(cfg)
     run_dir = Path(cfg.output_dir)
     resume, note = start_in_place(run_dir, resume)
     if resume:
