@@ -72,6 +72,16 @@ def trainers_world(layout: Layout) -> None:
         os.environ["WORLD_SIZE"] = str(layout.trainers)
 
 
+# What gloo and NCCL say when the other side died (its sockets closed) or stopped answering (the timeout).
+LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "closed by peer",
+             "connection refused")
+
+
+def lost_peer(error: RuntimeError) -> bool:
+    """Whether ``error`` from an operation on the link says the peer is gone or silent."""
+    return isinstance(error, torch.distributed.DistError) or any(k in str(error).lower() for k in LOST_PEER)
+
+
 def _backend(weights: bool) -> str:
     return "nccl" if weights and torch.cuda.is_available() else "gloo"
 
@@ -130,6 +140,8 @@ class Link:
         try:
             yield
         except RuntimeError as e:  # gloo/NCCL errors and timeouts (DistBackendError is a RuntimeError)
+            if not lost_peer(e):
+                raise  # an error of this process's own (a bug), not a peer's: its traceback, not a verdict
             who = ", ".join(map(str, peers))
             kind = "rollout process" if all(p >= self.layout.trainers for p in peers) else "process"
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -31,7 +31,7 @@ from tether.ppo.records import Rollout
 from tether.ppo.rollout import eos_ids, response_mask_after_eos
 from tether.ppo.weights import SyncSeconds, manifest, policy_blocks
 
-SYNC, GENERATE, STOP = 1, 2, 3
+SYNC, GENERATE, STOP, READY = 1, 2, 3, 4
 HEADER = 7  # rows, width, max_new_tokens, min_new_tokens, greedy, temperature, seed (float64, all exact)
 
 
@@ -87,6 +87,10 @@ class RemoteEngine:
         self.link, self.tokenizer, self.sharded = link, tokenizer, sharded
         self.eos = eos_ids(tokenizer, model)
         self.sync_seconds = SyncSeconds()
+        if link.layout.rank == 0:  # wait for the engines to start, so that no step's timing includes that
+            with link.guard(self._rollouts, "starting its engine"):
+                for rank in self._rollouts:
+                    link.recv(torch.zeros(1, dtype=torch.long), rank, Link.CONTROL)
 
     @property
     def _rollouts(self) -> list[int]:

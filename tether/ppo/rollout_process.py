@@ -16,7 +16,7 @@ import torch
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, transformers_model
 from tether.ppo.layout import Layout, Link
-from tether.ppo.remote import GENERATE, HEADER, STOP, SYNC, receive_weights
+from tether.ppo.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_weights
 
 
 def make_rollout_engine(cfg, layout: Layout, device: torch.device):
@@ -86,6 +86,8 @@ def serve(cfg) -> Path:
     try:  # a TetherError (a lost trainer) is the CLI's one line
         engine = make_rollout_engine(cfg, layout, link.device)
         precision = Precision(DTYPES[cfg.model.dtype], link.device.type)
+        with link.guard([0], "starting"):
+            link.send(torch.tensor([READY]), 0, Link.CONTROL)
         while True:
             with link.guard([0], "waiting for trainer 0"):
                 op = int(link.recv(torch.zeros(1, dtype=torch.long), 0, Link.CONTROL))

@@ -136,9 +136,9 @@ class _Gather:
                 parts.append(padded.reshape(-1))
                 layout.append((i, rows, tuple(t.shape)))
             flat = torch.cat(parts)
-            out = flat.new_empty((world, flat.numel()))
+            out = flat.new_empty(world * flat.numel())  # gloo takes a flat output only
             work = torch.distributed.all_gather_into_tensor(out, flat, group=group, async_op=True)
-            self.pending.append((work, out, layout))
+            self.pending.append((work, out.view(world, flat.numel()), layout))
 
     def wait(self) -> list[torch.Tensor]:
         full = list(self.tensors)
