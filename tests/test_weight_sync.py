@@ -140,7 +140,7 @@ def test_transformers_sampler_logprobs_are_the_trainers(tmp_path, min_new_tokens
 def test_gpu_memory_share_by_hand():
     """The engine's share of an 80 GB device for 14 GB of weights and 4 GB of KV cache: (14 + 4)·1.2 + 1 GiB over
     80 GB; capped at vLLM's 0.9 when more is asked."""
-    from tether.ppo.vllm_engine import gpu_memory_share
+    from tether.diagnostics.engine_plan import gpu_memory_share
 
     gb = 10**9
     assert gpu_memory_share(14 * gb, 4 * gb, 80 * gb) == pytest.approx((18 * 1.2 * gb + 2**30) / (80 * gb))

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from tether.diagnostics.engine_plan import gpu_memory_share
 from tether.errors import ConfigError, TetherError
 from tether.hf import transformers_model
 from tether.ppo.records import Rollout
@@ -53,17 +54,6 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype, tp: int = 1) -> int:
     layers, kv_heads, head_dim = attention_shape(config)
     per_token = 2 * layers * max(kv_heads // tp, 1) * head_dim * torch.finfo(dtype).bits // 8
     return max(per_token * tokens, 64 * 2**20)
-
-
-def gpu_memory_share(weight_bytes: int, kv_bytes: int, device_bytes: int, margin: float = 0.2,
-                     overhead: int = 2**30) -> float:
-    """The share of the device vLLM is started with (``gpu_memory_utilization``): this engine's weights and its
-    KV cache for one batch, plus ``margin`` of that and ``overhead`` bytes (CUDA context, sampler and activation
-    workspace, CUDA graphs), instead of vLLM's default 0.9: vLLM refuses to start unless that share of the device
-    is free, and in the hybrid layout the trained models are already resident. At most 0.9."""
-    return min(0.9, ((weight_bytes + kv_bytes) * (1 + margin) + overhead) / device_bytes)
-
-
 
 
 class VLLMEngine:
