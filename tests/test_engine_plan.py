@@ -73,3 +73,19 @@ def test_dry_run_plans_the_trainers_and_the_layouts(tmp_path, monkeypatch):
     assert run_plan_config(cfg, 80.0).gpus == 2
     text = dry_run(cfg)
     assert "2 trainer(s)" in text and "* disaggregated, R=1" in text and "rollout process" in text
+
+
+def test_doctor_names_the_rollout_layout_of_the_share():
+    """The rollout share is read with the layout it was measured in (from config.yaml): colocated with its engine
+    (and TP), or disaggregated with its rollout processes; none for a run saved before the keys."""
+    from test_doctor import SPLIT_TIMES, healthy_rows
+
+    from tether.diagnostics.doctor import diagnose, format_diagnosis
+
+    rows = [{**r, **SPLIT_TIMES} for r in healthy_rows()]
+    config = {"steps": len(rows), "generation": {"engine": "vllm", "engine_tp": 1, "rollout_processes": 2}}
+    line = format_diagnosis(diagnose(rows, run_config=config)).splitlines()[-1]
+    assert "rollout share 25% (disaggregated, 2 rollout processes (vllm); healthy" in line
+    config["generation"].update(rollout_processes=0, engine_tp=2)
+    assert diagnose(rows, run_config=config).layout == "colocated, vllm TP=2"
+    assert diagnose(rows, run_config={"steps": len(rows)}).layout == ""

@@ -144,6 +144,7 @@ class Diagnosis:
     unchecked: list[str] = field(default_factory=list)  # bands whose metric (or a key it needs) never appears
     n_steps: int = 0
     phases: dict = field(default_factory=dict)  # phase -> mean seconds per step (C2), see phase_seconds
+    layout: str = ""  # the rollout layout the phases were measured in (C4), see rollout_layout
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -267,9 +268,10 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs]
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
-    phases = phase_seconds(rows)
+    phases, layout = phase_seconds(rows), rollout_layout(run_config or {})
     if not failures:
-        return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows), phases=phases)
+        return Diagnosis(True, None, None, None, None, None, unchecked=unchecked, n_steps=len(rows), phases=phases,
+                         layout=layout)
     outcome = [a for a in failures if a.band.measure == "gold"]
     cause = outcome[0] if outcome else failures[0]
     rest = [a for a in failures if a is not cause]
@@ -278,7 +280,7 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
         first_step=cause.onset_step, alarm_step=cause.alarm_step,
         evidence=_evidence(cause, monitor, rest),
         prescriptions=_prescribe(cause.failure_mode, run_config or {}),
-        unchecked=unchecked, n_steps=len(rows), phases=phases)
+        unchecked=unchecked, n_steps=len(rows), phases=phases, layout=layout)
 
 
 def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Diagnosis:
@@ -306,14 +308,28 @@ def phase_seconds(rows: list[dict]) -> dict:
     return {name: m for name, key in phases if (m := mean(key)) is not None}
 
 
-def format_phases(phases: dict) -> str:
-    """One line: mean seconds per phase, each one's share of the step, and the rollout share (C2)."""
+def rollout_layout(run_config: dict) -> str:
+    """Where the run's rollouts were sampled (C4), from its config.yaml; "" for a run saved before the keys."""
+    engine, tp = config_value(run_config, "generation.engine"), config_value(run_config, "generation.engine_tp") or 1
+    if engine is None:
+        return ""
+    rollouts = config_value(run_config, "generation.rollout_processes") or 0
+    if rollouts:
+        return f"disaggregated, {rollouts} rollout process{'es' if rollouts > 1 else ''} ({engine})"
+    return f"colocated, {engine}" + (f" TP={tp}" if tp > 1 else "")
+
+
+def format_phases(phases: dict, layout: str = "") -> str:
+    """One line: mean seconds per phase, each one's share of the step, and the rollout share (C2) of the layout
+    (disaggregated: "generate" is the trainers' wait for the rollout processes)."""
     total = sum(phases.values())
     if not total:
         return ""
     parts = ", ".join(f"{name} {s:.3g} s ({100 * s / total:.0f}%)" for name, s in phases.items())
     share = 100 * phases.get("generate", 0.0) / total
-    return f"time per step: {total:.3g} s = {parts}; rollout share {share:.0f}% (healthy <= 40% with a fast engine)"
+    where = f"{layout}; " if layout else ""
+    return (f"time per step: {total:.3g} s = {parts}; rollout share {share:.0f}% ({where}healthy <= 40% with a fast "
+            "engine)")
 
 
 def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
@@ -349,7 +365,7 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
     if d.unchecked:
         lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")
     if d.phases and sum(d.phases.values()):
-        lines.append(format_phases(d.phases))
+        lines.append(format_phases(d.phases, d.layout))
     return "\n".join(lines)
 
 
