@@ -390,4 +390,3 @@ def test_doctor_says_where_the_time_goes():
     assert old == pytest.approx({"generate": 1.0, "score": 0.3, "train": 1.5})
     assert list(old) == ["generate", "score", "train"]
     assert phase_seconds([{"step": 1}]) == {}
-
