@@ -235,7 +235,8 @@ class RunConfig:
             raise ConfigError(f"--top-k: {self.generation.top_k} refused; PPO's log-probs, ratio and KL are of the "
                               "untruncated softmax(logits / T), so samples must be too (docs/sampling.md)")
         if self.generation.engine_tp > 1 and self.generation.engine != "vllm":
-            raise ConfigError(f"--engine-tp {self.generation.engine_tp}: tensor parallelism is vLLM's; use --engine vllm")
+            raise ConfigError(f"--engine-tp {self.generation.engine_tp}: tensor parallelism is vLLM's; "
+                              "use --engine vllm")
         if self.generation.engine_tp > 1 and self.generation.rollout_processes:
             raise ConfigError("--engine-tp with --rollout-processes: not supported (each rollout process runs one "
                               "engine of its own); use --engine-tp 1")

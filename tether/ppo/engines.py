@@ -71,7 +71,7 @@ class TransformersEngine:
             if name not in own or own[name].shape != tensor.shape:
                 raise TetherError(f"weight sync: {name} {tuple(tensor.shape)} does not match the rollout process's "
                                   f"policy ({tuple(own[name].shape) if name in own else 'no such tensor'})")
-            own[name].data = tensor
+            own[name].data = tensor.to(own[name].device)
 
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
                  temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0) -> Rollout:

@@ -83,7 +83,11 @@ def lost_peer(error: RuntimeError) -> bool:
 
 
 def _backend(weights: bool) -> str:
-    return "nccl" if weights and torch.cuda.is_available() else "gloo"
+    """NCCL for the weights between GPUs; gloo for the messages, on CPU processes, and when several processes share
+    a GPU (NCCL refuses two ranks on one device; a one-GPU machine rehearses the layout so)."""
+    if not (weights and torch.cuda.is_available()):
+        return "gloo"
+    return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
 
 
 class Link:
@@ -107,8 +111,9 @@ class Link:
         if layout.rank in members:
             self.weights = self._group(store, f"{prefix}/weights", members.index(layout.rank), len(members),
                                        weights=True)
-        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available()
-                                   else "cpu")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % gpus}" if gpus else "cpu")
+        self.weights_device = self.device if _backend(weights=True) == "nccl" else torch.device("cpu")
 
     def _group(self, store, prefix: str, rank: int, size: int, weights: bool):
         prefixed = torch.distributed.PrefixStore(prefix, store)
@@ -128,7 +133,7 @@ class Link:
 
     # ------------------------------------------------------------------ weights (trainer 0 is the root)
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` from trainer 0 to every rollout process (in place on the receivers)."""
+        """``tensor`` (on ``weights_device``) from trainer 0 to every rollout process (in place on the receivers)."""
         options = torch.distributed.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         self.weights.broadcast([tensor], options).wait()

