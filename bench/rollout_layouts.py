@@ -12,7 +12,7 @@ in the disaggregated layout; its trainers wait while the rollout process generat
 synchronous step does). On a GPU machine each process takes one GPU.
 
 Usage: python bench/rollout_layouts.py [--size medium|small | --model PRESET] [--engine transformers|vllm]
-       [--repeats 3] [--steps 4] [--json FILE]
+       [--repeats 3] [--steps 4] [--batch 64] [--new-tokens 48] [--epochs 4] [--mini-batches 4] [--json FILE]
 """
 
 import argparse
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ppo_step import SIZES, WORDS, build_models  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = {"1 process": (1, 64, []), "2 colocated": (2, 32, []),
-           "2 trainers + 1 rollout": (3, 32, ["--rollout-processes", "1"])}
+LAYOUTS = {"1 process": (1, 1, []), "2 colocated": (2, 2, []),  # (processes, trainers, flags)
+           "2 trainers + 1 rollout": (3, 2, ["--rollout-processes", "1"])}
 PHASES = ("seconds_step", "seconds_generate", "seconds_weight_sync", "seconds_weight_gather",
           "seconds_weight_transfer", "seconds_score", "seconds_train", "tokens_per_second", "rollout_share")
 
@@ -39,15 +39,16 @@ PHASES = ("seconds_step", "seconds_generate", "seconds_weight_sync", "seconds_we
 def ppo_args(root: Path, a, policy: str, reward: list[str], critic: list[str], out: Path, batch: int) -> list[str]:
     return ["-m", "tether", "ppo", "--policy", policy, "--prompts", str(root / "prompts.jsonl"), *reward, *critic,
             "--gold", "none", "--output-dir", str(out), "--steps", str(a.steps), "--batch-size", str(batch),
-            "--mini-batches", "4", "--ppo-epochs", "4", "--max-new-tokens", "48", "--generation-min-new-tokens",
-            "48", "--temperature", "0.7", "--kl-coef", "0.05", "--lr", "3e-6", "--critic-lr", "3e-6",
+            "--mini-batches", str(a.mini_batches), "--ppo-epochs", str(a.epochs), "--max-new-tokens",
+            str(a.new_tokens), "--generation-min-new-tokens", str(a.new_tokens), "--temperature", "0.7", "--kl-coef", "0.05", "--lr", "3e-6", "--critic-lr", "3e-6",
             "--ppo-vf-coef", "0.1", "--ppo-early-stop", "false", "--progress", "false", "--save-every-minutes", "0",
             "--engine", a.engine]
 
 
 def run_layout(root: Path, a, name: str, args: list[str], repeat: int) -> dict:
     """One run of a layout; the mean of its steps after the first, per metric."""
-    processes, batch, extra = LAYOUTS[name]
+    processes, trainers, extra = LAYOUTS[name]
+    batch = a.batch // trainers
     out = root / f"{name.replace(' ', '_').replace('+', 'and')}-{repeat}"
     args = [*args[:args.index("--output-dir") + 1], str(out), *args[args.index("--output-dir") + 2:]]
     args[args.index("--batch-size") + 1] = str(batch)
@@ -72,6 +73,10 @@ def main() -> int:
     p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64, help="prompts a step, over all trainers")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--mini-batches", type=int, default=4)
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,14 +90,15 @@ def main() -> int:
         rng = random.Random(0)
         prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))).capitalize() for _ in range(256)]
         (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts))
-        args = ppo_args(root, a, policy, reward, critic, root / "run", 64)
+        args = ppo_args(root, a, policy, reward, critic, root / "run", a.batch)
         figures = {name: [] for name in LAYOUTS}
         for repeat in range(a.repeats):
             for name in LAYOUTS:  # interleaved: a drifting machine affects every layout alike
                 figures[name].append(run_layout(root, a, name, args, repeat))
                 print(f"  repeat {repeat + 1}: {name}: {figures[name][-1]['seconds_step']:.2f} s/step", flush=True)
     median = {name: {k: statistics.median(r[k] for r in runs) for k in PHASES} for name, runs in figures.items()}
-    print(f"rollout layouts: {label}, --engine {a.engine}, 64 prompts x 48 tokens a step, 4 epochs x 4 minibatches; "
+    print(f"rollout layouts: {label}, --engine {a.engine}, {a.batch} prompts x {a.new_tokens} tokens a step, "
+          f"{a.epochs} epochs x {a.mini_batches} minibatches; "
           f"median of {a.repeats} interleaved runs (mean of steps 2-{a.steps} each)")
     print(f"  {'layout':24s} {'s/step':>7s} {'generate':>9s} {'sync':>7s} {'(gather':>8s} {'transfer)':>9s} "
           f"{'score':>7s} {'train':>7s} {'tokens/s':>9s} {'rollout':>8s}")

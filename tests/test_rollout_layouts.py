@@ -6,7 +6,7 @@ that share a long prefix (a Llama chat template with a 161-token system turn: pr
     launch (two launchers on localhost, 2 FSDP2 trainers on machine 0, 2 rollout processes on machine 1, the
     shipped examples/accelerate/disaggregated-2node.yaml) and 2 DDP trainers with LoRA and evaluation;
   * the weights arrive bitwise equal to the trainer's, full and LoRA-merged (tests/weight_transfer_worker.py);
-  * a rollout process that stops answering ends the run with one line naming it, within the timeout;
+  * a rollout process that stops answering, or dies, ends the run with one line naming it, within the timeout;
   * with vLLM installed (CI's .venv-vllm): one engine per process (DDP), one tensor-parallel engine over 2 FSDP2
     processes with LoRA, and vLLM on a rollout process.
 
@@ -123,30 +123,37 @@ def rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-def test_a_stopped_rollout_process_ends_the_run_with_one_line(files, tmp_path):
-    """SIGSTOP the rollout process after step 1 (alive to the launcher, silent to the trainer: the case that
-    would hang): the trainer's next wait on it gives up at the 12 s timeout with one line naming rank 1, and the
-    launch exits non-zero. (A rollout process that dies closes its sockets: the trainer's wait fails at once.)"""
-    out, port, logs = tmp_path / "run", free_port(), tmp_path / "logs"
-    proc = start_launch(ppo_args(files, out, "--rollout-processes", "1", "--collective-timeout-minutes", "0.2",
-                                 steps=500), logs, config=None, processes=2, port=port)
-    stopped = None
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_lost_rollout_process_ends_the_run_with_one_line(files, tmp_path, how):
+    """After step 1 the rollout process is lost, 1 trainer + 1 rollout process: ``stopped`` (SIGSTOP: alive to the
+    launcher, silent to the trainer, the case that would hang) — the trainer's next wait gives up at the 12 s
+    timeout; ``killed`` (SIGKILL, the rollout process on a second machine, so that no launcher of the trainer's
+    tears the run down for it) — its sockets close and the trainer's wait fails at once. Either way one line naming
+    rank 1, and the trainer's launch exits non-zero."""
+    out, port = tmp_path / "run", free_port()
+    args = ppo_args(files, out, "--rollout-processes", "1", "--collective-timeout-minutes", "0.2", steps=500)
+    machines = [(0, 1)] if how == "stopped" else [(0, 2), (1, 2)]
+    launches = [start_launch(args, tmp_path / f"logs{m}", config=None, processes=2, port=port,
+                             machine=None if how == "stopped" else (m, n)) for m, n in machines]
+    lost = None
     try:
         deadline = time.monotonic() + 300
-        while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and proc.poll() is None:
+        while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and launches[0].poll() is None:
             time.sleep(0.5)
-        stopped = rank_pid(str(out), 1)
-        assert stopped is not None and proc.poll() is None
-        os.kill(stopped, signal.SIGSTOP)
+        lost = rank_pid(str(out), 1)
+        assert lost is not None and launches[0].poll() is None
+        os.kill(lost, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
         start = time.monotonic()  # a deadline against a hang, not a timing check
-        while time.monotonic() - start < 120 and "stopped answering" not in trainer_stderr(logs):
+        while time.monotonic() - start < 120 and "stopped answering" not in trainer_stderr(tmp_path / "logs0"):
             time.sleep(0.5)
     finally:
-        if stopped is not None:  # let it take the launcher's SIGTERM
-            os.kill(stopped, signal.SIGCONT)
+        if lost is not None and how == "stopped":  # let it take the launcher's SIGTERM
+            os.kill(lost, signal.SIGCONT)
     with pytest.raises(AssertionError, match="exited"):
-        finish_launch(proc, port, logs, timeout=120)
-    lines = [line for line in trainer_stderr(logs).splitlines() if "stopped answering" in line]
+        finish_launch(launches[0], port, tmp_path / "logs0", timeout=120)
+    for proc in launches[1:]:
+        proc.wait(timeout=120)
+    lines = [line for line in trainer_stderr(tmp_path / "logs0").splitlines() if "stopped answering" in line]
     assert len(lines) == 1, lines
     assert lines[0].startswith("tether ppo: error: trainer 0: rollout process of rank 1 (of 2;"), lines[0]
     assert "12 s timeout" in lines[0]
