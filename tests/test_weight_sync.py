@@ -17,11 +17,11 @@ from tether.ppo.rollout_process import left_padded
 from tether.ppo.weights import block_prefixes, lora_delta, manifest, policy_blocks, policy_weights
 
 
-def lora_policy(path, seed: int = 0):
+def lora_policy(path, seed: int = 0, dtype: str = "fp32"):
     from tether.hf import apply_lora
     from tether.ppo.models import load_causal_lm
 
-    model = apply_lora(load_causal_lm(path), r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    model = apply_lora(load_causal_lm(path, dtype), r=4, alpha=8, dropout=0.0, target_modules="all-linear")
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for name, p in model.named_parameters():
@@ -30,13 +30,14 @@ def lora_policy(path, seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_policy_blocks_fold_lora_in_as_peft_merges_bit_for_bit(tmp_path, arch):
+@pytest.mark.parametrize("arch,dtype", [("gpt2", "fp32"), ("llama", "fp32"), ("gpt2", "bf16")])
+def test_policy_blocks_fold_lora_in_as_peft_merges_bit_for_bit(tmp_path, arch, dtype):
     """Block by block (each transformer block, then embeddings/norm/head), the LoRA policy's checkpoint tensors are
-    exactly those of peft's merge_and_unload of a copy (GPT-2's Conv1D: ΔW transposed), every name once, each in its
-    block; the training model is untouched."""
+    exactly those of peft's merge_and_unload of a copy (GPT-2's Conv1D: ΔW transposed; a bf16 base with fp32
+    adapters, as tether trains LoRA under --model-dtype bf16: summed in fp32, rounded once), every name once, each
+    in its block; the training model is untouched."""
     path = make_policy_dir(tmp_path) if arch == "gpt2" else make_llama_chat_dir(tmp_path)
-    model = lora_policy(path)
+    model = lora_policy(path, dtype=dtype)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     merged = copy.deepcopy(model).merge_and_unload().state_dict()
     blocks = list(policy_blocks(model))
@@ -62,7 +63,7 @@ def test_lora_delta_is_peft_get_delta_weight(tmp_path, dtype):
     assert layers and any(m.fan_in_fan_out for m in layers)
     for m in layers:
         a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
-        ours = lora_delta(a.detach(), b.detach(), m.scaling["default"], m.fan_in_fan_out, dtype)
+        ours = lora_delta(a.detach(), b.detach(), m.scaling["default"], m.fan_in_fan_out)
         assert torch.equal(ours, m.get_delta_weight("default").detach())
 
 

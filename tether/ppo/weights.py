@@ -78,13 +78,11 @@ def checkpoint_blocks(model: nn.Module) -> list[Block]:
                 return block
         return blocks[-1]
 
-    lora_modules = {}
     for name, module in base.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "get_base_layer"):
-            adapters = [a for a in module.active_adapters if a in module.lora_A and not module.disable_adapters]
-            lora_modules[name] = [(module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a],
-                                   module.fan_in_fan_out) for a in adapters]
-            owner(name).lora[f"{name}.weight"] = (module.get_base_layer().weight, lora_modules[name])
+        if hasattr(module, "lora_A") and hasattr(module, "get_base_layer"):  # a peft LoRA layer
+            adapters = [(module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a], module.fan_in_fan_out)
+                        for a in module.active_adapters if a in module.lora_A and not module.disable_adapters]
+            owner(name).lora[f"{name}.weight"] = (module.get_base_layer().weight, adapters)
     named = list(base.named_parameters(remove_duplicate=False)) + [
         (n, b) for n, b in base.named_buffers(remove_duplicate=False) if _persistent(base, n)]
     for name, t in named:
@@ -97,21 +95,21 @@ def checkpoint_blocks(model: nn.Module) -> list[Block]:
     return blocks
 
 
-def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, fan_in_fan_out: bool,
-               dtype: torch.dtype) -> torch.Tensor:
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, fan_in_fan_out: bool) -> torch.Tensor:
     """ΔW = scale · (B @ A), transposed when the base layer stores W as (in, out) (GPT-2's Conv1D): A (r, in),
-    B (out, r). Computed as peft's ``get_delta_weight`` does (bf16/fp16 adapters in fp32 on a CPU), cast to
-    ``dtype``."""
-    upcast = a.device.type == "cpu" and a.dtype in (torch.float16, torch.bfloat16)
-    if upcast:
+    B (out, r), in the adapters' dtype. Computed as peft's ``get_delta_weight`` does (bf16/fp16 adapters in fp32
+    on a CPU, then cast back)."""
+    dtype = a.dtype
+    if a.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         a, b = a.float(), b.float()
     delta = b @ a
-    delta = (delta.T if fan_in_fan_out else delta) * scale
-    return delta.to(dtype)
+    return ((delta.T if fan_in_fan_out else delta) * scale).to(dtype)
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 class _Gather:
@@ -184,7 +182,8 @@ def _assemble(block: Block, full: list[torch.Tensor], index: list[int]) -> dict[
         weight = next(walk)
         for _, _, scale, fan_in_fan_out in adapters:
             a, b = next(walk), next(walk)
-            weight = weight + lora_delta(a, b, scale, fan_in_fan_out, weight.dtype)
+            # peft's merge, weight += ΔW: summed in the wider dtype, rounded once to the base's
+            weight = (weight + lora_delta(a, b, scale, fan_in_fan_out)).to(weight.dtype)
         out[name] = weight
     return out
 
