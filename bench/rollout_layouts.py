@@ -7,9 +7,11 @@ critic from the reward model) in every layout: 64 on one process, 32 per trainer
 step is warm-up and dropped, the others averaged; layouts run interleaved (A, B, C, A, B, C, ...) and the median
 of the repeats is printed, with the step's phases (generate; weight sync = gather + transfer; score; train).
 
-On CPU processes, threads per process: 2 alone, 1 each with several processes (a 2-core machine runs 3 processes
-in the disaggregated layout; its trainers wait while the rollout process generates and vice versa, as PPO's
-synchronous step does). On a GPU machine each process takes one GPU.
+On CPU processes, threads per process: 2 alone, 1 each with several processes (``--threads`` sets one figure for
+all: on a machine shared with other jobs, 2 threads in one process lose far more to waiting at each parallel
+region than 2 single-threaded processes do); a 2-core machine runs 3 processes in the disaggregated layout, whose
+trainers wait while the rollout process generates and vice versa, as PPO's synchronous step does. On a GPU
+machine each process takes one GPU.
 
 Usage: python bench/rollout_layouts.py [--size medium|small | --model PRESET] [--engine transformers|vllm]
        [--repeats 3] [--steps 4] [--batch 64] [--new-tokens 48] [--epochs 4] [--mini-batches 4] [--json FILE]
@@ -52,7 +54,7 @@ def run_layout(root: Path, a, name: str, args: list[str], repeat: int) -> dict:
     out = root / f"{name.replace(' ', '_').replace('+', 'and')}-{repeat}"
     args = [*args[:args.index("--output-dir") + 1], str(out), *args[args.index("--output-dir") + 2:]]
     args[args.index("--batch-size") + 1] = str(batch)
-    env = {**os.environ, "OMP_NUM_THREADS": str(2 if processes == 1 else 1)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads or (2 if processes == 1 else 1))}
     if processes == 1:
         cmd = [sys.executable, *args, *extra]
     else:
@@ -77,6 +79,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--mini-batches", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0, help="threads per process (default: 2 alone, 1 with several)")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +101,7 @@ def main() -> int:
                 print(f"  repeat {repeat + 1}: {name}: {figures[name][-1]['seconds_step']:.2f} s/step", flush=True)
     median = {name: {k: statistics.median(r[k] for r in runs) for k in PHASES} for name, runs in figures.items()}
     print(f"rollout layouts: {label}, --engine {a.engine}, {a.batch} prompts x {a.new_tokens} tokens a step, "
-          f"{a.epochs} epochs x {a.mini_batches} minibatches; "
+          f"{a.epochs} epochs x {a.mini_batches} minibatches, threads per process {a.threads or '2 alone, 1 else'}; "
           f"median of {a.repeats} interleaved runs (mean of steps 2-{a.steps} each)")
     print(f"  {'layout':24s} {'s/step':>7s} {'generate':>9s} {'sync':>7s} {'(gather':>8s} {'transfer)':>9s} "
           f"{'score':>7s} {'train':>7s} {'tokens/s':>9s} {'rollout':>8s}")

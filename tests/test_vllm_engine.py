@@ -159,7 +159,8 @@ def test_engine_samples_the_scored_distribution_before_and_after_updates(chat_po
 def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
     """Each row draws its vLLM seed from torch's RNG: identical prompts get different samples, and the same
     torch seed gives the same rollout again (a resumed run resamples what it sampled). Starting the engine
-    leaves torch's thread control to the trainer."""
+    leaves torch's thread control and its random stream to the trainer (in-process vLLM seeds the global RNGs:
+    every process of a launch would draw the same seeds)."""
     _vllm()
     from tether.ppo.vllm_engine import VLLMEngine
 
@@ -167,7 +168,10 @@ def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
     query, query_mask = _prompts(tokenizer, n=1)
     query, query_mask = query.repeat(8, 1), query_mask.repeat(8, 1)
     threads = torch.get_num_threads()
+    torch.manual_seed(123)  # a process's own stream (each process of a launch has its own): vLLM must not reseed it
+    state = torch.get_rng_state()
     engine = VLLMEngine(model, tokenizer, max_model_len=32, rows=8, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
     # vLLM's CPU worker turns torch.set_num_threads into a no-op; training in the same process keeps control.
     assert torch.get_num_threads() == threads
     torch.set_num_threads(threads + 1)

@@ -21,9 +21,11 @@ share a random stream.
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from tether.diagnostics.engine_plan import gpu_memory_share
@@ -109,13 +111,19 @@ class VLLMEngine:
         # here it shares the process with training, which keeps its own threads and its own thread placement.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # In-process, vLLM seeds the process's global RNGs with ``seed`` (random, numpy, torch): every process would
+        # then draw the same rows' seeds. The trainer's own per-process streams are kept.
+        rng = (random.getstate(), np.random.get_state())
         try:
-            self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
-                           generation_config="vllm", logprobs_mode="processed_logprobs", load_format="dummy",
-                           max_model_len=max_model_len, enforce_eager=not self.on_gpu, kv_cache_memory_bytes=kv_bytes,
-                           tensor_parallel_size=tp,
-                           distributed_executor_backend="external_launcher" if distributed else None, **memory)
+            with torch.random.fork_rng(devices=[device] if self.on_gpu else []):
+                self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
+                               generation_config="vllm", logprobs_mode="processed_logprobs", load_format="dummy",
+                               max_model_len=max_model_len, enforce_eager=not self.on_gpu,
+                               kv_cache_memory_bytes=kv_bytes, tensor_parallel_size=tp,
+                               distributed_executor_backend="external_launcher" if distributed else None, **memory)
         finally:
+            random.setstate(rng[0])
+            np.random.set_state(rng[1])
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
         self._asleep = False
