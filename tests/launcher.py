@@ -44,15 +44,32 @@ def accelerate_launch(target: list[str], log_dir: Path | None = None, *, config:
         done = accelerate_launch(target, logs, config=config, processes=processes, timeout=timeout, env=env)
         shutil.rmtree(logs, ignore_errors=True)
         return done
+    port = free_port()
+    proc = start_launch(target, log_dir, config=config, processes=processes, port=port, env=env)
+    return finish_launch(proc, port, log_dir, timeout)
+
+
+def start_launch(target: list[str], log_dir: Path, *, config: str | None, processes: int, port: int,
+                 env: dict | None = None, machine: tuple[int, int] | None = None) -> subprocess.Popen:
+    """Start one ``accelerate launch`` (see :func:`accelerate_launch`); ``machine`` = (machine rank, machines):
+    one machine of a multi-machine launch on localhost (``--num_machines M --machine_rank i``, the same port for
+    all; ``processes`` is the total over the machines, as accelerate counts it)."""
     kind = ["--config_file", str(CONFIGS / config)] if config else \
         ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    port = free_port()
+    if machine is not None:
+        kind += ["--num_machines", str(machine[1]), "--machine_rank", str(machine[0]),
+                 "--main_process_ip", "127.0.0.1"]
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *kind, "--num_processes", str(processes),
            "--main_process_port", str(port), "--log_dir", str(log_dir), "--tee", "3", *target]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish_launch(proc: subprocess.Popen, port: int, log_dir: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a launch started by :func:`start_launch`; :class:`LaunchFailed` as :func:`accelerate_launch` says."""
+    cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -172,21 +172,23 @@ def test_step_reports_each_phase(files, tmp_path, monkeypatch):
                           ("score_rollout", (16.0,)), ("ppo_epochs", (32.0,))]:
         monkeypatch.setattr(step_module, name, ticking(getattr(step_module, name), *seconds))
     metrics = step_module.ppo_step(run, cfg, 1)
-    expected = {"generate": 1.0, "weight_sync": 0.0, "logprobs_old": 2.0, "reference": 4.0, "values": 8.0,
-                "reward": 16.0, "score": 30.0, "train": 32.0, "step": 63.0}
+    expected = {"generate": 1.0, "weight_sync": 0.0, "weight_gather": 0.0, "weight_transfer": 0.0,
+                "logprobs_old": 2.0, "reference": 4.0, "values": 8.0, "reward": 16.0, "score": 30.0, "train": 32.0,
+                "step": 63.0}
     assert {k: metrics[f"perf/seconds_{k}"] for k in expected} == expected
     assert metrics["perf/rollout_share"] == 1.0 / 63.0
 
 
 def test_an_engine_with_its_own_weights_is_synced_before_sampling(files, tmp_path, monkeypatch):
     """The engine seam (C3): the step asks a weight-holding engine to sync before it samples and reports that
-    time as perf/seconds_weight_sync (fake clock: 64 s); evaluation, which follows an update, syncs first too;
-    the transformers engine syncs nothing (0.0 above)."""
+    time as perf/seconds_weight_sync (fake clock: 64 s), split as the engine measured it into gather and transfer;
+    evaluation, which follows an update, syncs first too; the transformers engine syncs nothing (0.0 above)."""
     import tether.ppo.perf as perf_module
     import tether.ppo.step as step_module
     from tether.ppo.engines import TransformersEngine
     from tether.ppo.evaluate import evaluate
     from tether.ppo.setup import setup
+    from tether.ppo.weights import SyncSeconds
 
     cfg = tiny_config(tmp_path, *files, data__eval_fraction=0.25)
     run = setup(cfg)
@@ -201,6 +203,7 @@ def test_an_engine_with_its_own_weights_is_synced_before_sampling(files, tmp_pat
             assert model is run.models.unwrapped_policy
             calls.append("sync")
             clock[0] += 64.0
+            self.sync_seconds = SyncSeconds(gather=24.0, transfer=40.0)
 
         def generate(self, *args, **kwargs):
             calls.append("generate")
@@ -210,6 +213,7 @@ def test_an_engine_with_its_own_weights_is_synced_before_sampling(files, tmp_pat
     metrics = step_module.ppo_step(run, cfg, 1)
     assert calls == ["sync", "generate"]
     assert metrics["perf/seconds_weight_sync"] == 64.0 and metrics["perf/seconds_step"] == 64.0
+    assert (metrics["perf/seconds_weight_gather"], metrics["perf/seconds_weight_transfer"]) == (24.0, 40.0)
     calls.clear()
     evaluate(run, cfg, 1)
     assert calls[0] == "sync" and calls[1:] and set(calls[1:]) == {"generate"}

@@ -14,7 +14,8 @@ from tiny import make_policy_dir, make_prompts_file, tiny_config
 from tether.errors import ConfigError
 from tether.ppo.engines import make_engine
 from tether.ppo.rollout import encode_prompts, forward_response
-from tether.ppo.vllm_engine import INSTALL, kv_cache_bytes, policy_weights
+from tether.ppo.vllm_engine import INSTALL, kv_cache_bytes
+from tether.ppo.weights import policy_weights
 
 # What instruct checkpoints ship in generation_config.json; each would change what vLLM samples if read.
 LEAKY = {"repetition_penalty": 5.0, "top_k": 2, "top_p": 0.3, "min_p": 0.3, "no_repeat_ngram_size": 1,
@@ -158,7 +159,8 @@ def test_engine_samples_the_scored_distribution_before_and_after_updates(chat_po
 def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
     """Each row draws its vLLM seed from torch's RNG: identical prompts get different samples, and the same
     torch seed gives the same rollout again (a resumed run resamples what it sampled). Starting the engine
-    leaves torch's thread control to the trainer."""
+    leaves torch's thread control and its random stream to the trainer (in-process vLLM seeds the global RNGs:
+    every process of a launch would draw the same seeds)."""
     _vllm()
     from tether.ppo.vllm_engine import VLLMEngine
 
@@ -166,7 +168,10 @@ def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
     query, query_mask = _prompts(tokenizer, n=1)
     query, query_mask = query.repeat(8, 1), query_mask.repeat(8, 1)
     threads = torch.get_num_threads()
+    torch.manual_seed(123)  # a process's own stream (each process of a launch has its own): vLLM must not reseed it
+    state = torch.get_rng_state()
     engine = VLLMEngine(model, tokenizer, max_model_len=32, rows=8, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
     # vLLM's CPU worker turns torch.set_num_threads into a no-op; training in the same process keeps control.
     assert torch.get_num_threads() == threads
     torch.set_num_threads(threads + 1)
@@ -223,7 +228,8 @@ def test_policy_weights_fold_lora_in_as_peft_merges(files):
 
 def test_kv_cache_bytes_by_hand():
     """2 (K and V) · layers · kv heads · head width · bytes, per token: GPT-2 small (12 layers, 12 heads of 64)
-    in fp32 holds 73,728 bytes a token; a small cache is raised to 64 MiB."""
+    in fp32 holds 73,728 bytes a token; a small cache is raised to 64 MiB. Tensor parallel over 4 processes: each
+    holds a quarter of the heads; over more processes than K/V heads, one head each (replicated)."""
     from transformers import GPT2Config, LlamaConfig
 
     gpt2 = GPT2Config(n_layer=12, n_head=12, n_embd=768)
@@ -231,16 +237,25 @@ def test_kv_cache_bytes_by_hand():
     assert kv_cache_bytes(gpt2, 10, torch.float32) == 64 * 2**20
     gqa = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     assert kv_cache_bytes(gqa, 10_000, torch.bfloat16) == 2 * 30 * 3 * 64 * 2 * 10_000
+    assert kv_cache_bytes(gpt2, 10_000, torch.float32, tp=4) == 2 * 12 * 3 * 64 * 4 * 10_000
+    assert kv_cache_bytes(gqa, 10_000, torch.bfloat16, tp=4) == 2 * 30 * 1 * 64 * 2 * 10_000
 
 
 def test_vllm_engine_is_refused_with_one_line(files, tmp_path, monkeypatch):
-    """--engine vllm without vLLM installed names the install command; with several processes it says to use
-    transformers (one engine per run for now)."""
-    cfg = tiny_config(tmp_path, *files, generation__engine="vllm")
+    """--engine vllm without vLLM installed names the install command; --engine-tp must divide the training
+    processes and needs --engine vllm (one line each). Several processes are no longer refused (one engine each)."""
+    from tether.ppo.processes import Processes
+
+    cfg = tiny_config(tmp_path, *files, generation__engine="vllm", generation__engine_tp=3)
     model, tokenizer = _leaky_policy(files[0])
-    with pytest.raises(ConfigError, match="one process only"):
-        make_engine(cfg, model, tokenizer, world_size=2)
+    two = Processes(accelerator=None, device=torch.device("cpu"), world_size=2, rank=0)
+    with pytest.raises(ConfigError, match="--engine-tp 3: does not divide this launch's 2 training process") as e:
+        make_engine(cfg, model, tokenizer, two)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="--engine-tp 2: tensor parallelism is vLLM's"):
+        tiny_config(tmp_path, *files, generation__engine_tp=2)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    cfg = tiny_config(tmp_path, *files, generation__engine="vllm")
     with pytest.raises(ConfigError, match="vLLM is not installed") as e:
         make_engine(cfg, model, tokenizer)
     assert "pip install" in str(e.value) and "\n" not in str(e.value)

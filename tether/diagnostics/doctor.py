@@ -145,6 +145,7 @@ class Diagnosis:
     phases: dict = field(default_factory=dict)  # phase -> mean seconds per step (C2), see phase_seconds
     gold: list[dict] = field(default_factory=list)  # each evaluation against the best before it (GoldPoint)
     notes: list[str] = field(default_factory=list)  # warnings that are no alarm (a gold fall not confirmed)
+    layout: str = ""  # the rollout layout the phases were measured in (C4), see rollout_layout
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -273,7 +274,8 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     alerts = monitor.alerts()
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     gold, notes = _gold_summary(monitor)
-    common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes)
+    common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes,
+                  layout=rollout_layout(run_config or {}))
     if not failures:
         return Diagnosis(True, None, None, None, None, None, **common)
     outcome = [a for a in failures if a.band.measure == "gold"]  # reward hacking, measured against the truth
@@ -321,14 +323,28 @@ def phase_seconds(rows: list[dict]) -> dict:
     return {name: m for name, key in phases if (m := mean(key)) is not None}
 
 
-def format_phases(phases: dict) -> str:
-    """One line: mean seconds per phase, each one's share of the step, and the rollout share (C2)."""
+def rollout_layout(run_config: dict) -> str:
+    """Where the run's rollouts were sampled (C4), from its config.yaml; "" for a run saved before the keys."""
+    engine, tp = config_value(run_config, "generation.engine"), config_value(run_config, "generation.engine_tp") or 1
+    if engine is None:
+        return ""
+    rollouts = config_value(run_config, "generation.rollout_processes") or 0
+    if rollouts:
+        return f"disaggregated, {rollouts} rollout process{'es' if rollouts > 1 else ''} ({engine})"
+    return f"colocated, {engine}" + (f" TP={tp}" if tp > 1 else "")
+
+
+def format_phases(phases: dict, layout: str = "") -> str:
+    """One line: mean seconds per phase, each one's share of the step, and the rollout share (C2) of the layout
+    (disaggregated: "generate" is the trainers' wait for the rollout processes)."""
     total = sum(phases.values())
     if not total:
         return ""
     parts = ", ".join(f"{name} {s:.3g} s ({100 * s / total:.0f}%)" for name, s in phases.items())
     share = 100 * phases.get("generate", 0.0) / total
-    return f"time per step: {total:.3g} s = {parts}; rollout share {share:.0f}% (healthy <= 40% with a fast engine)"
+    where = f"{layout}; " if layout else ""
+    return (f"time per step: {total:.3g} s = {parts}; rollout share {share:.0f}% ({where}healthy <= 40% with a fast "
+            "engine)")
 
 
 def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
@@ -367,7 +383,7 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
     if d.unchecked:
         lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")
     if d.phases and sum(d.phases.values()):
-        lines.append(format_phases(d.phases))
+        lines.append(format_phases(d.phases, d.layout))
     return "\n".join(lines)
 
 

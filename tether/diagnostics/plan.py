@@ -82,6 +82,11 @@ class PlanConfig:
                              choices=("linear", "mlp"))
     offload_ref: bool = option(False, "keep the reference's weights in CPU memory (streamed per layer)")
     offload_rm: bool = option(False, "keep the reward model's weights in CPU memory (streamed per layer)")
+    engine: str = option("transformers", "rollout engine of the run (its layouts are planned per process either way)",
+                         choices=("transformers", "vllm"))
+    engine_tp: int = option(1, "processes per vLLM engine (tensor parallel)", low=1)
+    rollout_processes: int = option(0, "disaggregated layout: rollout processes (GPUs) besides the --gpus trainers",
+                                    low=0)
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, nbytes: int) -> int:
@@ -342,14 +347,17 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from tether.diagnostics.engine_plan import engine_plan, format_engine_plan
+
     cfg = resolve_config(PlanConfig, args)
     shape = resolve_shape(cfg.model)
     result = plan(shape, cfg)
     lever_rows = levers(shape, cfg, result["peak"])
+    engines = engine_plan(shape, cfg)
     if args.json:
-        result.update(unit="bytes", levers=lever_rows, kv_cache_formula="2*L*B*S*n_kv*d_h*bytes",
+        result.update(unit="bytes", levers=lever_rows, kv_cache_formula="2*L*B*S*n_kv*d_h*bytes", engines=engines,
                       shape={k: v for k, v in dataclasses.asdict(shape).items() if k != "lora_shapes"})
         print(json.dumps(result))
     else:
-        print(format_plan(shape, cfg, result, lever_rows))
+        print(format_plan(shape, cfg, result, lever_rows) + "\n\n" + format_engine_plan(engines, cfg))
     return 0

@@ -30,6 +30,7 @@ from tether.diagnostics.doctor import (
     load_metrics,
     load_run_config,
     phase_seconds,
+    rollout_layout,
 )
 from tether.diagnostics.gold import with_problem_results
 from tether.diagnostics.health import HealthConfig, resolve_bands
@@ -245,7 +246,7 @@ def _phase_html(run: Run) -> str:
     if step is not None and step > known * (1 + 1e-9):
         means.append(("other", step - known))
     total = step or known
-    share = _mean(run.rows, "perf/rollout_share")
+    share, layout = _mean(run.rows, "perf/rollout_share"), rollout_layout(run.config)
     if share is None and total:
         share = dict(means).get("generate", 0.0) / total
     if not total:
@@ -255,7 +256,7 @@ def _phase_html(run: Run) -> str:
     cells = "".join(f"<tr><td><span class=chip style='background:{PHASE_COLORS[n]}'></span>{n}</td>"
                     f"<td>{_fmt(m)}</td><td>{100 * (m or 0) / total:.0f}%</td></tr>" for n, m in means)
     verdict = "" if share is None else (
-        f"<p>Rollout share of a step: <b>{100 * share:.0f}%</b> "
+        f"<p>Rollout share of a step{f' ({html.escape(layout)})' if layout else ''}: <b>{100 * share:.0f}%</b> "
         f"({'healthy, ≤ 40%' if share <= 0.4 else 'above the 40% a fast rollout engine allows'}); "
         f"tokens/s: {_fmt(_mean(run.rows, 'perf/tokens_per_second'))}.</p>")
     mfu, padding = _mean(run.rows, "perf/mfu"), _mean(run.rows, "perf/padding_fraction")

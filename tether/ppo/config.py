@@ -57,8 +57,15 @@ class DataConfig:
 @dataclass
 class GenerationConfig:
     engine: str = option("transformers", "rollout engine (C3): 'transformers' generate on the trained policy "
-                         "(any device), or 'vllm' (optional install; one process; synced before each rollout)",
+                         "(any device), or 'vllm' (optional install; one engine per process, or per --engine-tp "
+                         "processes; synced block by block before each rollout)",
                          choices=("transformers", "vllm"), flag="--engine")
+    engine_tp: int = option(1, "--engine vllm: processes per engine, tensor parallel (vLLM's external_launcher); must "
+                            "divide the training processes; 1 = one engine per process", low=1, flag="--engine-tp")
+    rollout_processes: int = option(0, "disaggregated layout (C4): the last R launched processes only generate, each "
+                                    "with its own --engine, and take the weights from the trainers after every "
+                                    "update (layer by layer); 0 = every process trains and generates",
+                                    low=0, flag="--rollout-processes")
     max_new_tokens: int = option(48, "response length cap; rows cut here are 'truncated'", low=1,
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature everywhere",
@@ -259,6 +266,12 @@ class RunConfig:
         if self.generation.top_k > 0:
             raise ConfigError(f"--top-k: {self.generation.top_k} refused; PPO's log-probs, ratio and KL are of the "
                               "untruncated softmax(logits / T), so samples must be too (docs/sampling.md)")
+        if self.generation.engine_tp > 1 and self.generation.engine != "vllm":
+            raise ConfigError(f"--engine-tp {self.generation.engine_tp}: tensor parallelism is vLLM's; "
+                              "use --engine vllm")
+        if self.generation.engine_tp > 1 and self.generation.rollout_processes:
+            raise ConfigError("--engine-tp with --rollout-processes: not supported (each rollout process runs one "
+                              "engine of its own); use --engine-tp 1")
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")

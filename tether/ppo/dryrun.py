@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tether.diagnostics.engine_plan import engine_plan, format_engine_plan
 from tether.diagnostics.plan import PlanConfig, format_plan, levers, plan
 from tether.diagnostics.shapes import config_shape
 from tether.presets import resolve_model_path
@@ -77,15 +78,19 @@ def format_checklist(items: list[CheckItem]) -> str:
 
 
 def run_plan_config(cfg, gpu_memory_gb: float) -> PlanConfig:
-    """The planner's inputs for this run: one process = one device, ``WORLD_SIZE`` processes, DDP (ZeRO-0), or
-    ZeRO-3 when the launch config asks for FSDP2 (its full shard of weights, gradients and Adam state)."""
+    """The planner's inputs for this run: one process = one device, ``WORLD_SIZE`` processes (of which the last
+    ``--rollout-processes`` only generate: the trainers are the others), DDP (ZeRO-0), or ZeRO-3 when the launch
+    config asks for FSDP2 (its full shard of weights, gradients and Adam state)."""
     from tether.ppo.sharding import fsdp_settings
 
     return PlanConfig(model=str(resolve_model_path(cfg.model.policy, what="policy")), dtype=cfg.model.dtype,
                       batch_size=cfg.rows_per_step, prompt_length=cfg.data.max_prompt_length,
                       response_length=cfg.generation.max_new_tokens, lora_r=cfg.model.lora_r, critic_lora_r=0,
                       lora_targets="all" if cfg.model.lora_target_modules == "all-linear" else "attn",
-                      zero=3 if fsdp_settings() else 0, gpus=int(os.environ.get("WORLD_SIZE", "1")),
+                      zero=3 if fsdp_settings() else 0,
+                      gpus=max(1, int(os.environ.get("WORLD_SIZE", "1")) - cfg.generation.rollout_processes),
+                      engine=cfg.generation.engine, engine_tp=cfg.generation.engine_tp,
+                      rollout_processes=cfg.generation.rollout_processes,
                       gpu_memory=gpu_memory_gb,
                       gradient_checkpointing=cfg.model.gradient_checkpointing,
                       critic="none" if cfg.advantage.critic_free else cfg.critic.kind, value_head=cfg.critic.head)
@@ -119,5 +124,6 @@ def dry_run(cfg) -> str:
                    "--advantage rloo|grpo|dr_grpo|reinforce_pp, --batch-size, "
                    "--model-gradient-checkpointing; ZeRO and offload are not there yet)")
     checklist = format_checklist(launch_checklist(cfg))
+    engines = format_engine_plan(engine_plan(shape, plan_cfg), plan_cfg)
     return "\n".join(notes) + "\n" + format_plan(shape, plan_cfg, result, levers(shape, plan_cfg, result["peak"])) \
-        + "\n" + levers_note + "\n\n" + checklist
+        + "\n" + levers_note + "\n\n" + engines + "\n\n" + checklist

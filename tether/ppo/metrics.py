@@ -13,6 +13,7 @@ from tether.core.group import group_spread
 from tether.core.stats import repetition_counts
 from tether.ppo.perf import PhaseTimer, padding_fraction, step_flops
 from tether.ppo.records import Rollout
+from tether.ppo.weights import SyncSeconds
 
 # The scoring phase's parts (C2); perf/seconds_score is their sum.
 SCORE_PHASES = ("logprobs_old", "reference", "values", "reward")
@@ -110,13 +111,16 @@ def sampler_gap_metrics(p, rollout: Rollout, logprobs_old: torch.Tensor, mask: t
             "rollout/logprob_gap_max": p.global_max(gap.max())}
 
 
-def perf_metrics(timer: PhaseTimer, n_tokens: float) -> dict:
+def perf_metrics(timer: PhaseTimer, n_tokens: float, sync: SyncSeconds | None = None) -> dict:
     """Seconds per phase (C2), their sum, tokens per second and the rollout share. Weight sync is 0.0 when
-    the sampler reads the trained weights directly (the transformers engine)."""
+    the sampler reads the trained weights directly (the transformers engine); ``sync`` splits it into gather
+    (waiting for a block's full tensors) and transfer (loading or broadcasting them)."""
     s = {phase: timer.seconds.get(phase, 0.0) for phase in ("generate", "weight_sync", *SCORE_PHASES, "train")}
     seconds_score = sum(s[phase] for phase in SCORE_PHASES)
     seconds_step = s["generate"] + s["weight_sync"] + seconds_score + s["train"]
+    sync = sync or SyncSeconds()
     return {**{f"perf/seconds_{phase}": v for phase, v in s.items()},
+            "perf/seconds_weight_gather": sync.gather, "perf/seconds_weight_transfer": sync.transfer,
             "perf/seconds_score": seconds_score, "perf/seconds_step": seconds_step,
             "perf/tokens_per_second": n_tokens / max(seconds_step, 1e-9),
             "perf/rollout_share": s["generate"] / max(seconds_step, 1e-9)}

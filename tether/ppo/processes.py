@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
+from tether.ppo.layout import Link, launch_layout, trainers_world
 from tether.ppo.sharding import FsdpSettings, fsdp_settings, set_gradient_sync
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class Processes:
     world_size: int
     rank: int
     fsdp: FsdpSettings | None = None  # the launch config asked for FSDP2 (tether.ppo.sharding)
+    link: Link | None = None  # disaggregated layout: the groups to the rollout processes (tether.ppo.layout)
+    closing: list[Callable[[], None]] = field(default_factory=list)  # run by close() while the group still exists
 
     @property
     def is_main(self) -> bool:
@@ -102,8 +105,11 @@ class Processes:
     def close(self) -> None:
         """The run's last collective: every process waits for the others, then leaves the process group. A
         process that exits still in the group leaves it to interpreter shutdown, where gloo's worker threads
-        can still hold tensors of the last collectives (pytorch/pytorch#179291: SIGABRT at exit)."""
+        can still hold tensors of the last collectives (pytorch/pytorch#179291: SIGABRT at exit). The ``closing``
+        hooks (the rollout engine's) run between."""
         self.wait()
+        for hook in self.closing:
+            hook()
         if self.world_size > 1:
             self.accelerator.state.destroy_process_group()
 
@@ -126,6 +132,8 @@ def make_processes(cfg) -> Processes:
 
     trackers = tracker_names(cfg)
     check_trackers(trackers)
+    layout = launch_layout(cfg)
+    trainers_world(layout)  # disaggregated: the run's process group is the trainers' (the last ranks only generate)
     # The collective timeout: the others wait while process 0 alone writes a checkpoint or the final policy, on
     # a big model or a busy machine longer than torch's default (NCCL 10 min: its watchdog then aborts them).
     # (accelerate passes only a value other than its own default, 10 min; at exactly 10, gloo keeps its 30.)
@@ -137,8 +145,9 @@ def make_processes(cfg) -> Processes:
     note = ignored_mixed_precision_note(os.environ.get("ACCELERATE_MIXED_PRECISION", ""), cfg.model.dtype)
     if note and accelerator.is_main_process:
         print(note, file=sys.stderr)
+    link = Link(layout, cfg.collective_timeout_minutes) if layout.rollouts else None
     return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index,
-                     fsdp=fsdp_settings())
+                     fsdp=fsdp_settings(), link=link)
 
 
 def ignored_mixed_precision_note(setting: str, model_dtype: str) -> str:

@@ -129,9 +129,12 @@ def checkpoint_defaults_off(model):
 
 @torch.no_grad()
 def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
-             temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0) -> Rollout:
+             temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0,
+             sampler_logprobs: bool = False) -> Rollout:
     """Sample responses with ``model.generate`` (KV cache; stops as soon as every row has hit EOS) from exactly
-    softmax(logits / temperature): no top-k/top-p (refused, docs/sampling.md), nothing from the checkpoint."""
+    softmax(logits / temperature): no top-k/top-p (refused, docs/sampling.md), nothing from the checkpoint.
+    ``sampler_logprobs``: also the log-probs of the sampled tokens under the distribution they were drawn from
+    (log_softmax of generate's processed scores, after every processor), kept as ``Rollout.logprobs_sampler``."""
     from transformers.utils import logging as hf_logging
 
     was_training, verbosity = model.training, hf_logging.get_verbosity()
@@ -141,16 +144,23 @@ def generate(model, tokenizer, query: torch.Tensor, query_mask: torch.Tensor, ma
     hf_logging.set_verbosity_error()
     try:
         config = sampling_config(tokenizer, model, max_new_tokens, temperature, greedy, min_new_tokens)
+        config.output_scores = config.return_dict_in_generate = sampler_logprobs
         with checkpoint_defaults_off(model):
             output = model.generate(input_ids=query, attention_mask=query_mask, generation_config=config)
     finally:
         hf_logging.set_verbosity(verbosity)
         model.train(was_training)
-    response = output[:, query.shape[1]:]
+    response = (output.sequences if sampler_logprobs else output)[:, query.shape[1]:]
     response_mask, ended = response_mask_after_eos(response, config.eos_token_id)
     response = torch.where(response_mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
+    logprobs = None
+    if sampler_logprobs:  # scores: one (B, V) per sampled position
+        scores = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+        picked = scores.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.where(response_mask.bool(), picked, 0.0)  # a PAD after EOS may have log-prob −inf
     return Rollout(query=query, query_mask=query_mask, response=response, response_mask=response_mask,
-                   ended_with_eos=ended, eos_ids=tuple(config.eos_token_id), min_new_tokens=min_new_tokens)
+                   ended_with_eos=ended, eos_ids=tuple(config.eos_token_id), min_new_tokens=min_new_tokens,
+                   logprobs_sampler=logprobs)
 
 
 def sequence_inputs(query, query_mask, response, response_mask):

@@ -241,7 +241,7 @@ def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenize
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy_model, unwrapped_policy=unwrapped_policy,
                   critic=critic, unwrapped_critic=None if critic is None else accelerator.unwrap_model(critic),
-                  engine=make_engine(cfg, unwrapped_policy, tokenizer, processes.world_size), precision=precision)
+                  engine=make_engine(cfg, unwrapped_policy, tokenizer, processes), precision=precision)
 
 
 def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer,
@@ -252,7 +252,7 @@ def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, toke
         shard(critic, processes.fsdp, processes.device).train()
     return Models(tokenizer=tokenizer, use_chat_template=use_chat_template, policy=policy,
                   policy_model=policy.model, unwrapped_policy=policy.model, critic=critic, unwrapped_critic=critic,
-                  engine=make_engine(cfg, policy.model, tokenizer, processes.world_size), precision=precision,
+                  engine=make_engine(cfg, policy.model, tokenizer, processes), precision=precision,
                   fsdp=processes.fsdp)
 
 
@@ -287,6 +287,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     else:
         optim = make_optimisation(cfg, policy, critic, precision)
         models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg, precision)
+    processes.closing.append(models.engine.close)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
                 running_scores=RunningMoments())

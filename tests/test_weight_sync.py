@@ -1,0 +1,148 @@
+"""The pieces of the weight sync and of the disaggregated layout that need no launch (issue 28): the policy by
+block with LoRA folded (against peft's own merge, bit for bit), the manifest a rollout process allocates from, the
+launch layout's routing, the wire's packing, the transformers engine's own log-probs (the gap metric of a rollout
+process without vLLM) with a long shared chat prefix, and the GPU memory share by hand. The multi-process parts
+(FSDP2 shards gathered, the transfer, the runs) are tests/test_rollout_layouts.py."""
+
+import copy
+
+import pytest
+import torch
+from tiny import make_llama_chat_dir, make_policy_dir
+
+from tether.errors import ConfigError
+from tether.ppo.layout import Layout, launch_layout, trainers_world
+from tether.ppo.remote import dtype_groups
+from tether.ppo.rollout_process import left_padded
+from tether.ppo.weights import block_prefixes, lora_delta, manifest, policy_blocks, policy_weights
+
+
+def lora_policy(path, seed: int = 0, dtype: str = "fp32"):
+    from tether.hf import apply_lora
+    from tether.ppo.models import load_causal_lm
+
+    model = apply_lora(load_causal_lm(path, dtype), r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("arch,dtype", [("gpt2", "fp32"), ("llama", "fp32"), ("gpt2", "bf16")])
+def test_policy_blocks_fold_lora_in_as_peft_merges_bit_for_bit(tmp_path, arch, dtype):
+    """Block by block (each transformer block, then embeddings/norm/head), the LoRA policy's checkpoint tensors are
+    exactly those of peft's merge_and_unload of a copy (GPT-2's Conv1D: ΔW transposed; a bf16 base with fp32
+    adapters, as tether trains LoRA under --model-dtype bf16: summed in fp32, rounded once), every name once, each
+    in its block; the training model is untouched."""
+    path = make_policy_dir(tmp_path) if arch == "gpt2" else make_llama_chat_dir(tmp_path)
+    model = lora_policy(path, dtype=dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    blocks = list(policy_blocks(model))
+    prefixes = block_prefixes(model.get_base_model())
+    assert len(blocks) == len(prefixes) + 1 == 3  # 2 transformer blocks, then the rest
+    for prefix, block in zip(prefixes, blocks):
+        assert block and all(name.startswith(prefix + ".") for name in block)
+    assert not any(name.startswith(tuple(p + "." for p in prefixes)) for name in blocks[-1])
+    names = [name for block in blocks for name in block]
+    assert len(names) == len(set(names)) and set(names) == set(merged)
+    weights = policy_weights(model)
+    different = [k for k in merged if not torch.equal(weights[k], merged[k])]
+    assert not different, different
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_is_peft_get_delta_weight(tmp_path, dtype):
+    """ΔW = scale · B·A (transposed for Conv1D) equals peft's get_delta_weight to the bit, adapters in fp32 and in
+    bf16 (which peft computes in fp32 on a CPU, as lora_delta does)."""
+    model = lora_policy(make_policy_dir(tmp_path)).to(dtype)
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_delta_weight")]
+    assert layers and any(m.fan_in_fan_out for m in layers)
+    for m in layers:
+        a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+        ours = lora_delta(a.detach(), b.detach(), m.scaling["default"], m.fan_in_fan_out)
+        assert torch.equal(ours, m.get_delta_weight("default").detach())
+
+
+def test_manifest_is_what_policy_blocks_yields(tmp_path):
+    """What a rollout process allocates: per block the names, shapes and dtypes policy_blocks yields, in order, and
+    a tied weight (GPT-2's lm_head, tied to the token embedding) marked so that it travels once."""
+    model = lora_policy(make_policy_dir(tmp_path))
+    plan = manifest(model)
+    blocks = list(policy_blocks(model))
+    assert [[e[0] for e in spec] for spec in plan] == [list(block) for block in blocks]
+    for spec, block in zip(plan, blocks):
+        for name, shape, dtype, _ in spec:
+            assert tuple(block[name].shape) == shape and str(block[name].dtype) == f"torch.{dtype}"
+    tied = {name: to for spec in plan for name, _, _, to in spec if to}
+    assert tied == {"lm_head.weight": "transformer.wte.weight"}
+    sent = [e[0] for spec in plan for _, entries in dtype_groups(spec) for e in entries]
+    assert "lm_head.weight" not in sent and "transformer.wte.weight" in sent
+
+
+def test_layout_routes_trainers_to_rollout_processes_by_hand(monkeypatch):
+    """5 processes, --rollout-processes 2: ranks 0-2 train, 3-4 generate; trainers go round robin (0 -> 3,
+    1 -> 4, 2 -> 3); accelerate sees a world of 3; R >= N is one line."""
+    layout = Layout(world=5, rank=4, rollouts=2)
+    assert layout.trainers == 3 and layout.is_rollout and not Layout(5, 2, 2).is_rollout
+    assert [layout.rollout_of(t) for t in range(3)] == [3, 4, 3]
+    assert layout.trainers_of(3) == [0, 2] and layout.trainers_of(4) == [1]
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    trainers_world(layout)
+    import os
+
+    assert os.environ["WORLD_SIZE"] == "3"
+    cfg = type("Cfg", (), {"generation": type("G", (), {"rollout_processes": 3})()})()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="--rollout-processes 3: this launch has 3 process") as e:
+        launch_layout(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_wire_packing_by_hand():
+    """A block's manifest travels as one flat buffer per dtype (first-appearance order, tied names left out); several
+    trainers' left-padded prompts become one left-padded batch."""
+    spec = [("a", (2,), "float32", ""), ("b", (3,), "bfloat16", ""), ("c", (1,), "float32", ""),
+            ("d", (2,), "float32", "a")]
+    assert [(dt, [e[0] for e in es]) for dt, es in dtype_groups(spec)] == [(torch.float32, ["a", "c"]),
+                                                                           (torch.bfloat16, ["b"])]
+    query, mask = left_padded([torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[4]])],
+                              [torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([[1]])], pad_id=0)
+    assert query.tolist() == [[0, 5, 6], [7, 8, 9], [0, 0, 4]]
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1], [0, 0, 1]]
+
+
+@pytest.mark.parametrize("min_new_tokens", [0, 4])
+def test_transformers_sampler_logprobs_are_the_trainers(tmp_path, min_new_tokens):
+    """A rollout process without vLLM reports the sampled tokens' log-probs from generate's processed scores: equal
+    to the trainer's forward (softmax(logits / T), EOS masked under min_new_tokens) to 1e-4 in fp32, with ~200-token
+    chat prompts sharing a 161-token system turn; 0 on padding."""
+    from tether.hf import load_tokenizer
+    from tether.ppo.models import load_causal_lm
+    from tether.ppo.rollout import encode_prompts, forward_response, generate
+
+    path = make_llama_chat_dir(tmp_path)
+    tokenizer, model = load_tokenizer(path), load_causal_lm(path)
+    system = " ".join(["you are a careful adder"] * 7)
+    query, mask = encode_prompts(tokenizer, ["12+30=", "4+5=", "7+77=", "1+1="], 240, True, system_prompt=system)
+    assert query.shape[1] > 190
+    torch.manual_seed(0)
+    rollout = generate(model, tokenizer, query, mask, 10, 0.7, min_new_tokens=min_new_tokens, sampler_logprobs=True)
+    with torch.no_grad():
+        trainer, _, _ = forward_response(model, rollout, 0.7)
+    valid = rollout.response_mask.bool()
+    assert float((rollout.logprobs_sampler - trainer).abs()[valid].max()) < 1e-4
+    assert (rollout.logprobs_sampler[~valid] == 0).all() and (rollout.logprobs_sampler[valid] < 0).all()
+
+
+def test_gpu_memory_share_by_hand():
+    """The engine's share of an 80 GB device for 14 GB of weights and 4 GB of KV cache: (14 + 4)·1.2 + 1 GiB over
+    80 GB; capped at vLLM's 0.9 when more is asked."""
+    from tether.diagnostics.engine_plan import gpu_memory_share
+
+    gb = 10**9
+    assert gpu_memory_share(14 * gb, 4 * gb, 80 * gb) == pytest.approx((18 * 1.2 * gb + 2**30) / (80 * gb))
+    assert gpu_memory_share(70 * gb, 10 * gb, 80 * gb) == 0.9

@@ -1,0 +1,163 @@
+"""Which launched process does what (SPEC C4), and the dedicated process groups of the disaggregated layout.
+
+Layouts of ``accelerate launch ... -m tether ppo`` with N processes:
+
+- **colocated** (the default; reference 000 §C.5 "hybrid"): every process trains and generates; with
+  ``--engine vllm`` each holds its own vLLM engine (or one engine per ``--engine-tp`` processes).
+- **disaggregated** (``--rollout-processes R``): the last R ranks only generate, each with its own engine; the
+  first N − R train. The trainers form the run's process group (DDP or FSDP2, exactly as a launch of N − R
+  processes would: accelerate sees WORLD_SIZE = N − R); a rollout process never joins it. Trainers and rollout
+  processes talk over two groups of their own, made on the launcher's rendezvous store (so a 2-node launch, one
+  node of trainers and one of rollout processes, works as one machine does):
+
+  * ``messages`` (all N, gloo): control from trainer 0, prompts out and token ids + sampler log-probs back, by
+    point-to-point sends;
+  * ``weights`` (trainer 0 and the R rollout processes; NCCL on GPUs, gloo on CPUs): the weight broadcast.
+
+Every operation on them waits at most ``collective_timeout_minutes``; a peer that died or stopped answering ends
+the run with one line naming it (:meth:`Link.guard`), never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from tether.errors import ConfigError, TetherError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The launch: ``world`` processes, this one ``rank``, the last ``rollouts`` of them rollout processes."""
+
+    world: int
+    rank: int
+    rollouts: int = 0
+
+    @property
+    def trainers(self) -> int:
+        return self.world - self.rollouts
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank >= self.trainers
+
+    def rollout_of(self, trainer: int) -> int:
+        """The rollout process (its launch rank) that samples trainer ``trainer``'s prompts: round robin."""
+        return self.trainers + trainer % self.rollouts
+
+    def trainers_of(self, rollout: int) -> list[int]:
+        """The trainers whose prompts rollout process ``rollout`` (launch rank) samples, in rank order."""
+        return [t for t in range(self.trainers) if self.rollout_of(t) == rollout]
+
+
+def launch_layout(cfg) -> Layout:
+    """This launch's layout, from the launcher's ``WORLD_SIZE``/``RANK`` and ``--rollout-processes``."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    rollouts = cfg.generation.rollout_processes
+    if rollouts and rollouts >= world:
+        raise ConfigError(f"--rollout-processes {rollouts}: this launch has {world} process(es) and at least one "
+                          "must train (accelerate launch --num_processes N with N > R)")
+    return Layout(world, rank, rollouts)
+
+
+def trainers_world(layout: Layout) -> None:
+    """Make the trainers' process group the first N − R ranks: accelerate (and torch's env:// rendezvous) read
+    the world size from ``WORLD_SIZE``. Called on trainers before the accelerator is made."""
+    if layout.rollouts:
+        os.environ["WORLD_SIZE"] = str(layout.trainers)
+
+
+# What gloo and NCCL say when the other side died (its sockets closed) or stopped answering (the timeout).
+LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "closed by peer",
+             "connection refused")
+
+
+def lost_peer(error: RuntimeError) -> bool:
+    """Whether ``error`` from an operation on the link says the peer is gone or silent."""
+    return isinstance(error, torch.distributed.DistError) or any(k in str(error).lower() for k in LOST_PEER)
+
+
+def _backend(weights: bool) -> str:
+    """NCCL for the weights between GPUs; gloo for the messages, on CPU processes, and when several processes share
+    a GPU (NCCL refuses two ranks on one device; a one-GPU machine rehearses the layout so)."""
+    if not (weights and torch.cuda.is_available()):
+        return "gloo"
+    return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
+
+
+class Link:
+    """The disaggregated layout's two groups on this process (see the module docstring)."""
+
+    CONTROL, REQUEST, REPLY = 1, 2, 3  # point-to-point tags
+
+    def __init__(self, layout: Layout, timeout_minutes: float):
+        self.layout, self.timeout = layout, timedelta(minutes=timeout_minutes)
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise TetherError("--rollout-processes: needs a launch by accelerate launch (or torchrun): MASTER_ADDR "
+                              "and MASTER_PORT are not set")
+        # The launcher's rendezvous store (torchrun's agent hosts it on MASTER_ADDR:MASTER_PORT); keys under a
+        # prefix of their own, per restart of the launch.
+        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           is_master=False, timeout=self.timeout)
+        prefix = f"tether-rollout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.messages = self._group(store, f"{prefix}/messages", layout.rank, layout.world, weights=False)
+        members = [0, *range(layout.trainers, layout.world)]
+        self.weights = None
+        if layout.rank in members:
+            self.weights = self._group(store, f"{prefix}/weights", members.index(layout.rank), len(members),
+                                       weights=True)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % gpus}" if gpus else "cpu")
+        self.weights_device = self.device if _backend(weights=True) == "nccl" else torch.device("cpu")
+
+    def _group(self, store, prefix: str, rank: int, size: int, weights: bool):
+        prefixed = torch.distributed.PrefixStore(prefix, store)
+        if _backend(weights) == "nccl":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            return torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
+        return torch.distributed.ProcessGroupGloo(prefixed, rank, size, self.timeout)
+
+    # ------------------------------------------------------------------ messages (CPU tensors, point to point)
+    def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
+        self.messages.send([tensor.cpu().contiguous()], to, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
+        self.messages.recv([tensor], source, tag).wait()
+        return tensor
+
+    # ------------------------------------------------------------------ weights (trainer 0 is the root)
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (on ``weights_device``) from trainer 0 to every rollout process (in place on the receivers)."""
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        self.weights.broadcast([tensor], options).wait()
+        return tensor
+
+    @contextlib.contextmanager
+    def guard(self, peers: list[int], doing: str):
+        """Turn a failed or timed-out operation with ``peers`` (launch ranks) into one line naming them."""
+        try:
+            yield
+        except RuntimeError as e:  # gloo/NCCL errors and timeouts (DistBackendError is a RuntimeError)
+            if not lost_peer(e):
+                raise  # an error of this process's own (a bug), not a peer's: its traceback, not a verdict
+            who = ", ".join(map(str, peers))
+            kind = "rollout process" if all(p >= self.layout.trainers for p in peers) else "process"
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            me = f"{'rollout process' if self.layout.is_rollout else 'trainer'} {self.layout.rank}"
+            raise TetherError(f"{me}: {kind}{'es' if len(peers) > 1 else ''} of rank {who} (of {self.layout.world}; "
+                              f"--rollout-processes {self.layout.rollouts}) stopped answering while {doing}, or "
+                              f"died, within the {self.timeout.total_seconds():.0f} s timeout "
+                              f"(collective_timeout_minutes): {reason}; the run stops") from None
+
+    def close(self) -> None:
+        for group in (self.messages, self.weights):
+            if group is not None and hasattr(group, "shutdown"):
+                with contextlib.suppress(RuntimeError):
+                    group.shutdown()

@@ -1,0 +1,109 @@
+"""A rollout process of the disaggregated layout (``--rollout-processes R``): it only generates.
+
+It loads the policy's architecture and tokenizer (the weights arrive from the trainers before the first rollout),
+starts its engine (``--engine``: vLLM, or transformers where vLLM is absent), and then does what trainer 0 tells
+it, until STOP: take the weights (:func:`tether.ppo.remote.receive_weights`), or sample its trainers' prompts in
+one batch and send each its rows back. It writes nothing to the run directory. A trainer that died or stopped
+answering ends it with one line (:meth:`tether.ppo.layout.Link.guard`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tether.errors import TetherError
+from tether.hf import DTYPES, context_positions, transformers_model
+from tether.ppo.layout import Layout, Link
+from tether.ppo.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_weights
+
+
+def make_rollout_engine(cfg, layout: Layout, device: torch.device):
+    """This rollout process's engine over the policy (loaded from ``--policy``; LoRA never: merged weights arrive)."""
+    from tether.hf import load_tokenizer
+    from tether.ppo.engines import TransformersEngine
+    from tether.ppo.models import load_causal_lm
+    from tether.presets import resolve_model_path
+
+    path = resolve_model_path(cfg.model.policy, what="policy")
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device).eval()
+    if cfg.generation.engine == "vllm":
+        from tether.ppo.vllm_engine import VLLMEngine
+
+        max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
+        max_model_len = min(max_model_len, context_positions(transformers_model(model).config) or max_model_len)
+        rows = cfg.rows_per_step * len(layout.trainers_of(layout.rank))
+        return VLLMEngine(model, tokenizer, max_model_len, rows=rows, seed=cfg.seed, dtype=DTYPES[cfg.model.dtype],
+                          sleep=False)  # the device is the engine's alone
+    return TransformersEngine(model, tokenizer, sampler_logprobs=True)
+
+
+def left_padded(queries: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int):
+    """Several left-padded (rows, width_i) prompt batches as one (Σ rows, max width), still left-padded."""
+    width = max(q.shape[1] for q in queries)
+    query = torch.cat([torch.nn.functional.pad(q, (width - q.shape[1], 0), value=pad_id) for q in queries])
+    mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0), value=0) for m in masks])
+    return query, mask
+
+
+def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
+    """One GENERATE: every request of this process's trainers, sampled in one batch, each trainer's rows back."""
+    layout = link.layout
+    trainers = layout.trainers_of(layout.rank)
+    requests = []
+    for trainer in trainers:
+        header = link.recv(torch.zeros(HEADER, dtype=torch.float64), trainer, Link.REQUEST)
+        shape = (int(header[0]), int(header[1]))
+        query = link.recv(torch.zeros(shape, dtype=torch.long), trainer, Link.REQUEST)
+        mask = link.recv(torch.zeros(shape, dtype=torch.long), trainer, Link.REQUEST)
+        requests.append((header, query, mask))
+    header = requests[0][0]
+    query, mask = left_padded([r[1] for r in requests], [r[2] for r in requests], pad_id)
+    torch.manual_seed(int(header[6]))  # the first trainer's seed: the same requests sample the same rows again
+    with precision.autocast():
+        rollout = engine.generate(query.to(link.device), mask.to(link.device), int(header[2]), float(header[5]),
+                                  greedy=bool(header[4]), min_new_tokens=int(header[3]))
+    start = 0
+    for trainer, (_, q, _) in zip(trainers, requests):
+        rows = slice(start, start + len(q))
+        start += len(q)
+        width = max(int(rollout.lengths[rows].max()), 1)  # this trainer's rows' columns only
+        link.send(torch.tensor([width]), trainer, Link.REPLY)
+        link.send(rollout.response[rows, :width], trainer, Link.REPLY)
+        link.send(rollout.logprobs_sampler[rows, :width].float(), trainer, Link.REPLY)
+
+
+def serve(cfg) -> Path:
+    """Run this process as a rollout process until trainer 0 says STOP; returns the run directory."""
+    from tether.ppo.layout import launch_layout
+    from tether.ppo.models import Precision
+
+    layout = launch_layout(cfg)
+    torch.manual_seed(cfg.seed + layout.rank)
+    link = Link(layout, cfg.collective_timeout_minutes)
+    try:  # a TetherError (a lost trainer) is the CLI's one line
+        engine = make_rollout_engine(cfg, layout, link.device)
+        precision = Precision(DTYPES[cfg.model.dtype], link.device.type)
+        with link.guard([0], "starting"):
+            link.send(torch.tensor([READY]), 0, Link.CONTROL)
+        while True:
+            with link.guard([0], "waiting for trainer 0"):
+                op = int(link.recv(torch.zeros(1, dtype=torch.long), 0, Link.CONTROL))
+            if op == STOP:
+                break
+            peers = [0] if op == SYNC else layout.trainers_of(layout.rank)
+            with link.guard(peers, "sending the weights" if op == SYNC else "sending prompts"):
+                if op == SYNC:
+                    weights = receive_weights(link)
+                    engine.load_weights(weights)
+                    for _ in weights:  # whatever the engine left unread still arrives (every broadcast matched)
+                        pass
+                elif op == GENERATE:
+                    serve_generate(link, engine, precision, engine.tokenizer.pad_token_id)
+                else:
+                    raise TetherError(f"rollout process {layout.rank}: unknown command {op} from trainer 0")
+    finally:
+        link.close()
+    return Path(cfg.output_dir)
