@@ -20,16 +20,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from tether.config import config_from_dict
 from tether.diagnostics.gold import describe, with_problem_results
 from tether.diagnostics.groups import flat_groups_prescriptions
-from tether.diagnostics.health import (BANDS, COLLAPSE, GOLD_MEASURES, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL,
-                                        NOT_LEARNING, RATIO, REWARD_HACKING, VALUE_COLLAPSE, Alert, HealthConfig,
-                                        HealthMonitor)
+from tether.diagnostics.health import BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, Alert, HealthConfig, HealthMonitor
+from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
 from tether.errors import TetherError
 
 # (phase, metric key) in step order (C2); "score" is the sum of old log-probs … reward, for runs made
@@ -38,94 +37,6 @@ PHASES = [("generate", "perf/seconds_generate"), ("weight sync", "perf/seconds_w
           ("old log-probs", "perf/seconds_logprobs_old"), ("reference", "perf/seconds_reference"),
           ("values", "perf/seconds_values"), ("reward", "perf/seconds_reward"), ("train", "perf/seconds_train")]
 SCORE_SPLIT = ("perf/seconds_logprobs_old", "perf/seconds_reference", "perf/seconds_values", "perf/seconds_reward")
-
-
-def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
-    def suggest(current):
-        if isinstance(current, bool) or not isinstance(current, (int, float)) or current == 0:
-            return None
-        return f"{current * lo:.3g}" + (f"–{current * hi:.3g}" if hi is not None else "")
-    return suggest
-
-
-def _fewer_epochs(current):
-    return f"{max(1, int(current) // 2)}" if isinstance(current, int) and current > 1 else None
-
-
-def _beta(current):
-    if isinstance(current, (int, float)) and current == 0:
-        return "0.05–0.2 (β = 0: the tether is off)"
-    return _scaled(2, 4)(current)
-
-
-@dataclass(frozen=True)
-class Rx:
-    """One prescription: what to do, the config key, and a suggested value given the current one."""
-
-    action: str
-    key: str | None
-    suggest: Callable[[Any], str | None] = lambda current: None
-
-
-# Reference §D, in its priority order. Config keys are those of tether.ppo.config.RunConfig.
-PRESCRIPTIONS: dict[str, list[Rx]] = {
-    KL_EXPLOSION: [  # D.2
-        Rx("raise β, the KL coefficient (reference: 0.05 → 0.1–0.2)", "kl.coef", _beta),
-        Rx("lower the actor learning rate (reference: 1e-6 → 5e-7)", "optim.lr", _scaled(0.5)),
-        Rx("fewer PPO epochs per batch (4 → 1–2)", "ppo.epochs", _fewer_epochs),
-        Rx("smaller clip range ε (0.2 → 0.1)", "ppo.clip_range", _scaled(0.5)),
-        Rx("adaptive KL controller: β doubles when KL > 1.5 × target", "kl.controller", lambda c: "adaptive"),
-        Rx("roll back to the last healthy checkpoint and rerun with the settings above "
-           "(PPO rarely comes back once it diverges)", "health.rollback", lambda c: "true"),
-    ],
-    RATIO: [  # D.5, and D.6: ratio.std abnormal in the first steps -> suspect the LR
-        Rx("fewer PPO epochs per batch (4 → 2 → 1): the last epochs are the most off-policy", "ppo.epochs",
-           _fewer_epochs),
-        Rx("larger minibatches: fewer minibatches, so fewer gradient steps per epoch", "ppo.mini_batches",
-           _fewer_epochs),
-        Rx("early-stop the epoch loop when approx KL to π_old > early_stop_factor × ppo.target_kl",
-           "ppo.early_stop", lambda c: "true" if c is not True else None),
-        Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
-    ],
-    VALUE_COLLAPSE: [  # D.4
-        Rx("clip the value update (ε_v = 0.2)", "ppo.clip_range_value", lambda c: "0.2" if not c else None),
-        Rx("lower the critic learning rate", "optim.critic_lr", _scaled(0.5)),
-        Rx("clip or normalise rewards: r ∈ [−5, 5] (reward.clip) or z-score (reward.normalize)", "reward.clip",
-           lambda c: "5" if not c or c > 5 else None),
-        Rx("pre-train the critic for a few steps before PPO (critic warm-up)", "critic.warmup_steps",
-           lambda c: "10" if not c else None),
-    ],
-    REWARD_HACKING: [  # D.3
-        Rx("keep (or raise) the per-token KL penalty: the first line of defence", "kl.coef", _beta),
-        Rx("length penalty r' = r − α·len", "reward.length_penalty", lambda c: "0.01" if not c else None),
-        Rx("use an ensemble of 3–5 reward models (several reward.sources), combined by min",
-           "reward.ensemble", lambda c: "min" if c != "min" else None),
-        Rx("refresh the reward model on the policy's current outputs (online RM refresh, `tether train-rm`)",
-           None),
-        Rx("iterative / online DPO on fresh preference data", None),
-    ],
-    MODE_COLLAPSE: [  # D.2 (entropy collapse) and D.6 (end of the chain)
-        Rx("raise β, the KL coefficient, to hold the policy near the reference", "kl.coef", _beta),
-        Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
-        Rx("add an entropy bonus c2", "ppo.entropy_coef", lambda c: "0.01" if not c else None),
-        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
-        Rx("roll back to the last healthy checkpoint", "health.rollback", lambda c: "true"),
-    ],
-    COLLAPSE: [  # gold and reward fell together: the run broke down, whatever the reward model is
-        Rx("roll back to the last healthy checkpoint (before the gold metric fell)", "health.rollback", lambda c: "true"),
-        Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
-        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
-        Rx("raise β, the KL coefficient, to hold the policy near the reference", "kl.coef", _beta),
-    ],
-    NOT_LEARNING: [  # D.5: clip fraction < 5%
-        Rx("raise the actor learning rate", "optim.lr", _scaled(2, 10)),
-        Rx("check the advantage signal: do scores vary within a batch? (objective/scores, reward "
-           "normalisation)", "reward.normalize", lambda c: "batch" if c == "none" else None),
-        Rx("more PPO epochs per batch", "ppo.epochs", lambda c: f"{c + 1}" if isinstance(c, int) else None),
-    ],
-    # B17: the first line depends on which way the groups are flat (tether.diagnostics.groups); this is the usual one
-    NO_SIGNAL: [Rx(*rx) for rx in flat_groups_prescriptions([])],
-}
 
 
 @dataclass
