@@ -112,6 +112,7 @@ class Processes:
             hook()
         if self.world_size > 1:
             self.accelerator.state.destroy_process_group()
+            self.accelerator.free_memory()  # its own references to the prepared models (and through them the group)
 
 
 def make_processes(cfg) -> Processes:

@@ -11,6 +11,7 @@ resumes, :mod:`tether.ppo.resume`'s.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -174,6 +175,11 @@ class PPOTrainer:
         if policy is not None:
             self.callbacks("on_save", policy)
         run.processes.close()
+        if run.processes.world_size > 1:
+            # DDP's and FSDP2's modules keep the process group alive after it is destroyed: let them go now, while the
+            # interpreter is whole. Left to its shutdown, gloo's threads can be torn down joinable (SIGABRT, #32).
+            self.run = run = None
+            gc.collect()
         self.result = TrainResult(run_dir=self.run_dir, metrics=self.last_row, steps=self.steps_done,
                                   models={"policy": self.run_dir / "policy"}, stopped=self.stopped)
         return self.result
@@ -182,6 +188,9 @@ class PPOTrainer:
         """The eval/ metrics of the current policy on the held-out prompts (B13), as a step's evaluation computes
         them; nothing is written. On the main process ({} on the others; a sharded policy: before finish())."""
         run = self.run
+        if run is None and self.steps_done and self.result is not None and self.result.models:
+            raise TetherError("PPOTrainer.evaluate: a multi-process run releases its models at finish(); "
+                              "evaluate before train() ends (e.g. from a callback) or load the exported policy")
         if run is None or (not run.processes.is_main and run.models.fsdp is None and not run.models.engine.collective):
             return {}
         metrics, _ = evaluate(self.run, self.cfg, self.steps_done)
