@@ -49,11 +49,17 @@ def note_non_finite(log: RunLog, step: int, notes: list[str], streak: int, limit
     return streak
 
 
+def evaluates_here(run) -> bool:
+    """Whether this process takes part in an evaluation: the main process, and every process when the policy's
+    forward (FSDP2) or the engine's generate is collective."""
+    return run.processes.is_main or run.models.fsdp is not None or run.models.engine.collective
+
+
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
     """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
     forward, and a collective engine's generate, are collective: every process evaluates the same rows, the main
     process's figures are kept."""
-    if not run.processes.is_main and run.models.fsdp is None and not run.models.engine.collective:
+    if not evaluates_here(run):
         return {}
     metrics, samples = evaluate(run, cfg, step)
     if not run.processes.is_main:
@@ -188,10 +194,11 @@ class PPOTrainer:
         """The eval/ metrics of the current policy on the held-out prompts (B13), as a step's evaluation computes
         them; nothing is written. On the main process ({} on the others; a sharded policy: before finish())."""
         run = self.run
-        if run is None and self.steps_done and self.result is not None and self.result.models:
+        # released at finish() (a rollout process has no models and returns {} below)
+        if run is None and self.result is not None and self.result.models:
             raise TetherError("PPOTrainer.evaluate: a multi-process run releases its models at finish(); "
                               "evaluate before train() ends (e.g. from a callback) or load the exported policy")
-        if run is None or (not run.processes.is_main and run.models.fsdp is None and not run.models.engine.collective):
+        if run is None or not evaluates_here(run):
             return {}
         metrics, _ = evaluate(self.run, self.cfg, self.steps_done)
         return metrics if self.run.processes.is_main else {}
