@@ -54,3 +54,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from tether.ppo.processes import leave_without_teardown
+
+    leave_without_teardown(0)  # gloo's threads outlive the group under DDP/FSDP2: no interpreter teardown (#32)

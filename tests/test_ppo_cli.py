@@ -1,6 +1,7 @@
 """`tether ppo` end to end: the CLI, bad input (one line, exit code 2), two processes with DDP."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -255,3 +256,24 @@ def test_dry_run_prints_the_plan_and_the_checklist_and_trains_nothing(files, tmp
     printed = capsys.readouterr().out
     for item in ("KL controller", "held-out evaluation"):
         assert next(x for x in printed.splitlines() if item in x).lstrip().startswith("ok"), item
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+@pytest.mark.parametrize("outcome", ["ok", "bad input"])
+def test_a_launched_process_ends_without_the_interpreter_teardown(files, tmp_path, world_size, outcome):
+    """#32: under DDP/FSDP2 gloo's threads outlive destroy_process_group, and the interpreter's teardown with them
+    running can abort a process whose run succeeded. A `tether ppo` process of a launch (WORLD_SIZE > 1) ends with
+    os._exit after its output is flushed: an atexit handler (the teardown) never runs, its exit status and its
+    printed lines are the same as without it. A plain process (WORLD_SIZE 1) keeps the normal exit."""
+    args = base_args(files, tmp_path / "run") + (["--dry-run"] if outcome == "ok" else ["--log-with", "nosuch"])
+    code = ("import atexit, sys; atexit.register(lambda: print('TEARDOWN', flush=True)); "
+            "from tether.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "WORLD_SIZE": world_size}, timeout=300)
+    if outcome == "ok":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "peak:" in proc.stdout and "launch checklist" in proc.stdout  # printed before os._exit: flushed
+    else:
+        assert proc.returncode == 2 and "--log-with: 'nosuch'" in proc.stderr, proc.stderr[-2000:]
+    assert ("TEARDOWN" in proc.stdout) == (world_size == "1")

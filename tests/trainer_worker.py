@@ -28,3 +28,6 @@ if __name__ == "__main__":
     result = tether.PPOTrainer(cfg, reward=lambda prompts, responses, **_: [float(len(r)) for r in responses],
                                callbacks=MainStops()).train()
     assert result.steps == 2 and result.stopped == "the main process says stop", result
+    from tether.ppo.processes import leave_without_teardown
+
+    leave_without_teardown(0)  # gloo's threads outlive the group under DDP/FSDP2: no interpreter teardown (#32)

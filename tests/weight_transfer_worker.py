@@ -82,3 +82,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from tether.ppo.processes import leave_without_teardown
+
+    leave_without_teardown(0)  # gloo's threads outlive the group under DDP/FSDP2: no interpreter teardown (#32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from tether.errors import TetherError
@@ -52,13 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
     except TetherError as e:
         print(f"tether {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print(f"tether {args.command}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    if args.command == "ppo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # a process of `accelerate launch`: its gloo threads must not meet the interpreter's teardown (#32)
+        from tether.ppo.processes import leave_without_teardown
+
+        leave_without_teardown(code)
+    return code
 
 
 if __name__ == "__main__":

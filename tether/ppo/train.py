@@ -182,8 +182,8 @@ class PPOTrainer:
             self.callbacks("on_save", policy)
         run.processes.close()
         if run.processes.world_size > 1:
-            # DDP's and FSDP2's modules keep the process group alive after it is destroyed: let them go now, while the
-            # interpreter is whole. Left to its shutdown, gloo's threads can be torn down joinable (SIGABRT, #32).
+            # The sharded or DDP-wrapped models (and their memory) go now: nothing may use them after the group is
+            # destroyed. The group's gloo threads outlive this all the same (see processes.leave_without_teardown).
             self.run = run = None
             gc.collect()
         self.result = TrainResult(run_dir=self.run_dir, metrics=self.last_row, steps=self.steps_done,
