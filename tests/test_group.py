@@ -48,6 +48,21 @@ def test_a_group_with_one_kept_sample_has_no_baseline():
         close(fn(scores, 2, valid), [0.0, 0.0])
 
 
+@pytest.mark.parametrize("value", [1.3, 1.7, 0.9, 0.3])
+@pytest.mark.parametrize("k", [3, 6, 8])
+def test_a_group_of_equal_scores_gets_exactly_zero(value, k):
+    # k equal float32 scores: their mean (a rounded sum / k) can sit an ulp off the value (8 × 1.3: 1.3000001);
+    # GRPO divided that residual by a std of the same size plus eps and credited the tied group ±0.106.
+    scores = torch.full((k,), value)
+    for name, fn in (("rloo", rloo_scores), ("grpo", lambda s, kk: grpo_scores(s, kk, 1e-6)),
+                     ("dr_grpo", dr_grpo_scores)):
+        assert torch.equal(fn(scores, k), torch.zeros(k)), name
+    # beside a group with signal, that one keeps its baselined scores
+    mixed = torch.cat([scores, torch.tensor([1.0, 0.0] * (k // 2) + [1.0] * (k % 2))])
+    assert torch.equal(grpo_scores(mixed, k, 1e-6)[:k], torch.zeros(k))
+    assert grpo_scores(mixed, k, 1e-6)[k:].abs().min() > 0.3
+
+
 def test_rows_that_do_not_split_into_groups_are_refused():
     with pytest.raises(ValueError, match="groups of 4"):
         rloo_scores(torch.zeros(6), 4)
