@@ -67,10 +67,20 @@ def test_policy_stats_by_hand():
     assert loss.item() == pytest.approx(-(1.0 + 1.2 + 0.5) / 3, rel=1e-6)
 
 
-def test_log_ratio_is_clamped():
+def test_log_ratio_is_clamped_at_plus_minus_20():
+    # log ρ = 1000, A = −1: the unclipped term −ρ is the min, so loss = ρ = e^20 exactly when the clamp is ±20
+    # (e^1000 would be inf; a clamp at another value gives another number)
     loss, stats = ppo_policy_loss(torch.tensor([[1000.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]),
                                   torch.ones(1, 1), EPS)
-    assert math.isfinite(loss.item()) and math.isfinite(stats["ratio_max"].item())
+    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    # log ρ = −1000, A = +1: min(ρ·1, 0.8·1) = ρ = e^−20, loss = −e^−20
+    loss, _ = ppo_policy_loss(torch.tensor([[-1000.0]]), torch.zeros(1, 1), torch.tensor([[1.0]]),
+                              torch.ones(1, 1), EPS)
+    assert loss.item() == pytest.approx(-math.exp(-20.0), rel=1e-6)
+    # inside the clamp nothing changes: log ρ = 19 gives e^19
+    loss, _ = ppo_policy_loss(torch.tensor([[19.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1), EPS)
+    assert loss.item() == pytest.approx(math.exp(19.0), rel=1e-6)
 
 
 def test_value_loss_by_hand():
