@@ -163,6 +163,10 @@ def test_value_collapse():
     assert (d.failure_mode, d.cause_metric, d.first_step) == ("value collapse", "value/loss", 30)
     assert d.evidence["chain"][0]["key"] == "value/explained_variance"
     assert d.prescriptions[0]["key"] == "ppo.clip_range_value"
+    # the last way out: no critic at all (B17), suggested for a GAE run
+    d = diagnose(rows, run_config={"advantage": {"estimator": "gae"}, "samples_per_prompt": 1})
+    last = d.prescriptions[-1]
+    assert last["key"] == "advantage.estimator" and last["current"] == "gae" and "grpo" in last["suggestion"]
 
 
 def test_mode_collapse_entropy():

@@ -65,6 +65,11 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
            lambda c: "5" if not c or c > 5 else None),
         Rx("pre-train the critic for a few steps before PPO (critic warm-up)", "critic.warmup_steps",
            lambda c: "10" if not c else None),
+        # tether's, after the reference's: when the reward is sparse (value/returns_std small) no critic setting
+        # helps, there is nothing to fit (docs/real-models.md, recipe 2)
+        Rx("or drop the critic: a group baseline (B17) has no value model to collapse — sample several responses "
+           "per prompt (samples_per_prompt 4–8) and baseline each by its group", "advantage.estimator",
+           lambda c: "grpo or rloo, with samples_per_prompt 4–8" if c in (None, "gae") else None),
     ],
     REWARD_HACKING: [  # D.3
         Rx("keep (or raise) the per-token KL penalty: the first line of defence", "kl.coef", _beta),
