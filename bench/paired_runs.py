@@ -44,6 +44,12 @@ def evaluations(rows: list[dict]) -> dict[int, str]:
     return {int(r["step"]): r["eval/correct"] for r in rows if isinstance(r.get("eval/correct"), str)}
 
 
+def eval_extras(rows: list[dict]) -> dict[int, str]:
+    """step -> the evaluation's mean reward and KL to the reference (nats per response)."""
+    return {int(r["step"]): f"{r.get('eval/reward', float('nan')):.3f} / {r.get('eval/kl_sequence', float('nan')):.2f}"
+            for r in rows if isinstance(r.get("eval/correct"), str)}
+
+
 def discordant(first: str, second: str) -> tuple[int, int]:
     """(right only in ``first``, right only in ``second``) over the paired problems."""
     if len(first) != len(second):
@@ -96,9 +102,10 @@ def main() -> None:
             print(f"note: {label}'s first evaluation differs from {first_label}'s (another policy or split?)")
 
     print("| run | step | held-out accuracy [Wilson 95%] | vs its step 0: gained / lost, McNemar p | "
-          f"vs {first_label} at this step: p |")
-    print("| --- | --- | --- | --- | --- |")
+          f"vs {first_label} at this step: p | eval reward / KL to the reference (nats per response) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for label, by_step in evals.items():
+        extras = eval_extras(load(runs[label]))
         start = by_step[min(by_step)]
         for step, bits in sorted(by_step.items()):
             lost, gained = discordant(start, bits)
@@ -107,7 +114,7 @@ def main() -> None:
             if label != first_label and step in base:
                 a, b = discordant(base[step], bits)
                 vs_first = f"{b} vs {a} problems only one got right, p = {mcnemar_exact(a, b):.2g}"
-            print(f"| {label} | {step} | {accuracy(bits)} | {vs_start} | {vs_first} |")
+            print(f"| {label} | {step} | {accuracy(bits)} | {vs_start} | {vs_first} | {extras[step]} |")
 
     print()
     print("| run | steps | training score, first half → second half | per-token KL at the end | no-spread groups | "
