@@ -34,18 +34,18 @@ def _grouped(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _group_moments(scores: torch.Tensor, k: int, valid: torch.Tensor | None):
     """(s (G, K) with dropped rows 0, keep (G, K) bool, n (G, 1) kept rows, mean (G, 1) over kept rows, 0 if none,
-    signal (G, 1) bool: False when the group's kept scores are all exactly equal).
+    high, low (G, 1): the largest and smallest kept score).
 
-    ``signal`` is why a tied group's baselined scores are exactly 0: its mean, a rounded sum divided by n, can sit
-    an ulp away from the common value (8 × 1.3 in float32), and GRPO would divide that residual by a std of the
-    same size plus eps, crediting a group with no signal ±0.1."""
+    ``high > low`` (the group has signal) is why a tied group's baselined scores are exactly 0: its mean, a rounded
+    sum divided by n, can sit an ulp away from the common value (8 × 1.3 in float32), and GRPO would divide that
+    residual by a std of the same size plus eps, crediting a group with no signal ±0.1."""
     keep = _grouped(torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool(), k)
     grouped = _grouped(scores, k)
     s = torch.where(keep, grouped, 0.0)
     n = keep.sum(dim=1, keepdim=True).to(scores.dtype)
     high = torch.where(keep, grouped, -torch.inf).amax(dim=1, keepdim=True)
     low = torch.where(keep, grouped, torch.inf).amin(dim=1, keepdim=True)
-    return s, keep, n, s.sum(dim=1, keepdim=True) / n.clamp(min=1.0), high > low
+    return s, keep, n, s.sum(dim=1, keepdim=True) / n.clamp(min=1.0), high, low
 
 
 def rloo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,9 +56,9 @@ def rloo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None)
 
     over the n kept samples of the group (n = K when none was dropped). ``scores`` (B,) → (B,); a group with
     fewer than 2 kept samples has no baseline and gets 0, and so does a group whose kept scores are all equal."""
-    s, keep, n, _, signal = _group_moments(scores, k, valid)
+    s, keep, n, _, high, low = _group_moments(scores, k, valid)
     others = (s.sum(dim=1, keepdim=True) - s) / (n - 1).clamp(min=1.0)
-    return torch.where(keep & (n >= 2) & signal, s - others, 0.0).flatten()
+    return torch.where(keep & (n >= 2) & (high > low), s - others, 0.0).flatten()
 
 
 def grpo_scores(scores: torch.Tensor, k: int, eps: float = 1e-6, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,9 +70,9 @@ def grpo_scores(scores: torch.Tensor, k: int, eps: float = 1e-6, valid: torch.Te
     ``compute_grpo_outcome_advantage`` and OpenRLHF's ``group_norm`` use) and veRL's ``eps`` = 1e-6 (OpenRLHF adds
     1e-9). A group whose kept scores are all equal gets exactly 0 (not the rounding residual of its mean over
     eps: see ``_group_moments``). ``scores`` (B,) → (B,); fewer than 2 kept: 0."""
-    s, keep, n, mean, signal = _group_moments(scores, k, valid)
+    s, keep, n, mean, high, low = _group_moments(scores, k, valid)
     var = torch.where(keep, (s - mean) ** 2, 0.0).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1.0)
-    return torch.where(keep & (n >= 2) & signal, (s - mean) / (var.sqrt() + eps), 0.0).flatten()
+    return torch.where(keep & (n >= 2) & (high > low), (s - mean) / (var.sqrt() + eps), 0.0).flatten()
 
 
 def dr_grpo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,8 +83,8 @@ def dr_grpo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = No
 
     (The other half of Dr. GRPO, a loss normalised by a constant length instead of each response's own, is the
     update's: ``tether.ppo.update``.) ``scores`` (B,) → (B,); a group whose kept scores are all equal: 0."""
-    s, keep, _, mean, signal = _group_moments(scores, k, valid)
-    return torch.where(keep & signal, s - mean, 0.0).flatten()
+    s, keep, _, mean, high, low = _group_moments(scores, k, valid)
+    return torch.where(keep & (high > low), s - mean, 0.0).flatten()
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -149,10 +149,9 @@ def group_spread(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None
     its kept scores are all equal (max − min ≤ rtol·(1 + |max|)): such a group gives every group baseline
     a_i = 0, no signal; ``counted``, True for groups with at least 2 kept samples (the others say nothing);
     ``high``/``low``, its largest and smallest kept score."""
-    s, keep, n, mean, _ = _group_moments(scores, k, valid)
+    s, keep, n, mean, high, low = _group_moments(scores, k, valid)
     var = torch.where(keep, (s - mean) ** 2, 0.0).sum(dim=1) / (n.squeeze(1) - 1).clamp(min=1.0)
-    high = torch.where(keep, s, -torch.inf).max(dim=1).values
-    low = torch.where(keep, s, torch.inf).min(dim=1).values
+    high, low = high.squeeze(1), low.squeeze(1)
     counted = n.squeeze(1) >= 2
     no_spread = counted & (high - low <= rtol * (1.0 + high.abs()))
     return {"std": torch.where(counted, var.sqrt(), 0.0), "no_spread": no_spread, "counted": counted,
