@@ -416,3 +416,44 @@ def test_doctor_says_where_the_time_goes():
     assert old == pytest.approx({"generate": 1.0, "score": 0.3, "train": 1.5})
     assert list(old) == ["generate", "score", "train"]
     assert phase_seconds([{"step": 1}]) == {}
+
+
+def test_prescriptions_the_run_already_follows_are_listed_as_in_place(tmp_path, capsys):
+    """A value collapse in a run that already clips the value update (0.2) and the rewards (5): those two are
+    listed as in place, not prescribed again; the rest keep their priority order, renumbered from 1."""
+    rows = healthy_rows()
+    for r in rows[29:]:
+        r["value/loss"] *= 10
+        if r["step"] > 30:
+            r["value/explained_variance"] = -0.5
+    config = {"ppo": {"clip_range_value": 0.2}, "reward": {"clip": 5.0}, "optim": {"critic_lr": 5e-4},
+              "critic": {"warmup_steps": 0}, "advantage": {"estimator": "gae"}}
+    d = diagnose(rows, run_config=config)
+    todo = [(p["priority"], p["key"], p["suggestion"]) for p in d.prescriptions if not p["in_place"]]
+    assert todo == [(1, "optim.critic_lr", "0.00025"), (2, "critic.warmup_steps", "10"),
+                    (3, "advantage.estimator", "grpo or rloo, with samples_per_prompt 4–8")]
+    assert [(p["priority"], p["key"], p["current"], p["suggestion"]) for p in d.prescriptions if p["in_place"]] == [
+        (None, "ppo.clip_range_value", 0.2, None), (None, "reward.clip", 5.0, None)]
+    text = format_diagnosis(d)
+    assert "1. lower the critic learning rate" in text and "[ppo.clip_range_value" not in text
+    assert "already in place (this run does these): ppo.clip_range_value = 0.2 (clip the value update); " \
+           "reward.clip = 5.0" in text
+    # a run that does none of them (no value clip, rewards unclipped): all five, in the reference's order
+    d = diagnose(rows, run_config={**config, "ppo": {"clip_range_value": 0.0}, "reward": {"clip": 0.0}})
+    assert [p["key"] for p in d.prescriptions if not p["in_place"]] == [
+        "ppo.clip_range_value", "optim.critic_lr", "reward.clip", "critic.warmup_steps", "advantage.estimator"]
+    assert "already in place" not in format_diagnosis(d)
+
+
+@pytest.mark.parametrize("config, in_place", [
+    ({"kl": {"controller": "adaptive"}, "health": {"rollback": True}, "ppo": {"epochs": 1}},
+     ["ppo.epochs", "kl.controller", "health.rollback"]),
+    ({"kl": {"controller": "fixed"}, "health": {"rollback": False}, "ppo": {"epochs": 4}}, []),
+])
+def test_kl_explosion_prescriptions_in_place(config, in_place):
+    rows = healthy_rows()
+    for r in rows[24:]:
+        r["objective/kl"] = 0.08 * 1.35 ** (r["step"] - 25)
+    d = diagnose(rows, run_config=config)
+    assert [p["key"] for p in d.prescriptions if p["in_place"]] == in_place
+    assert [p["priority"] for p in d.prescriptions] == [*range(1, 7 - len(in_place)), *[None] * len(in_place)]

@@ -142,3 +142,29 @@ def test_group_metrics_by_hand():
     assert group_metrics(OneProcess(), scores, torch.ones(12, dtype=torch.bool), 1) == {}  # K = 1: no groups
     same = group_metrics(OneProcess(), torch.full((8,), 2.0), torch.ones(8, dtype=torch.bool), 4)
     assert same["group/no_spread_fraction"] == same["group/solved_fraction"] == same["group/unsolved_fraction"] == 1
+
+
+def group_step(step: int, score: float, flat: float, solved: float, unsolved: float) -> dict:
+    return {"step": step, "objective/scores": score, "group/no_spread_fraction": flat,
+            "group/solved_fraction": solved, "group/unsolved_fraction": unsolved}
+
+
+def test_flat_groups_are_read_by_where_they_sit():
+    """A 0/1 reward the policy rarely earns (recipe 2's bare SVAMP run): most steps have no right sample at all,
+    so every sample of the step is alike (solved = unsolved = no spread = 1); the few steps with one right sample
+    score higher. Those all-alike steps sit at the bottom of the run's score range: unsolved, not a constant
+    reward. Mirrored (nearly every sample right): solved. A reward that never varies at all: constant."""
+    from tether.diagnostics.groups import flat_groups_kind
+
+    rare = [group_step(s, 0.0625, 0.75, 0.0, 0.75) if s % 5 == 0 else group_step(s, 0.0, 1.0, 1.0, 1.0)
+            for s in range(1, 41)]
+    assert flat_groups_kind(rare) == "unsolved"
+    easy = [group_step(s, 0.9375, 0.75, 0.75, 0.0) if s % 5 == 0 else group_step(s, 1.0, 1.0, 1.0, 1.0)
+            for s in range(1, 41)]
+    assert flat_groups_kind(easy) == "solved"
+    constant = [group_step(s, 0.3, 1.0, 1.0, 1.0) for s in range(1, 41)]
+    assert flat_groups_kind(constant) == "constant"
+    assert flat_groups_kind([{k: v for k, v in r.items() if k != "objective/scores"} for r in rare]) == "constant"
+    # steps with spread only: the larger share decides
+    assert flat_groups_kind([group_step(s, 0.5, 0.5, 0.1, 0.4) for s in range(1, 5)]) == "unsolved"
+    assert flat_groups_kind([group_step(s, 0.5, 0.5, 0.4, 0.1) for s in range(1, 5)]) == "solved"

@@ -8,7 +8,8 @@ that share a long prefix (a Llama chat template with a 161-token system turn: pr
   * the weights arrive bitwise equal to the trainer's, full and LoRA-merged (tests/weight_transfer_worker.py);
   * a rollout process that stops answering, or dies, ends the run with one line naming it, within the timeout;
   * with vLLM installed (CI's .venv-vllm): one engine per process (DDP), one tensor-parallel engine over 2 FSDP2
-    processes with LoRA, and vLLM on a rollout process.
+    processes with LoRA (started over the shared-memory segments a killed run leaves, and leaving none), and vLLM
+    on a rollout process.
 
 Every run: the sampler–trainer log-prob gap (``rollout/logprob_gap_max``, the max over every trainer's tokens) is
 <= 1e-4 at every step, in fp32, after updates too: the engine sampled the weights the trainers score.
@@ -27,6 +28,7 @@ from launcher import accelerate_launch, finish_launch, free_port, start_launch
 from tiny import make_llama_chat_dir, make_policy_dir, make_prompts_file
 
 from tether.ppo.vllm_engine import INSTALL
+from tether.ppo.vllm_shm import SEGMENT, SHM_DIR
 
 SYSTEM = " ".join(["you are a careful adder"] * 7)  # 161 characters, one token each
 STEPS = 3
@@ -179,6 +181,13 @@ def test_vllm_layouts(files, tmp_path, layout):
         pytest.skip(f"vLLM is not installed: {INSTALL}")
     config, processes, extra = VLLM_LAYOUTS[layout]
     out = tmp_path / "run"
+    tensor_parallel = "--engine-tp" in extra
+    if tensor_parallel:  # what a run killed while its engine started leaves: vLLM's fixed names, unmapped
+        stale = [SHM_DIR / f"-tp:0-[0-1]-cpushm_{rank}" for rank in range(2)]
+        for path in stale:
+            path.write_bytes(b"\0" * 4096)
     accelerate_launch(ppo_args(files, out, *extra, "--eval-every", "2", "--data-eval-fraction", "0.2"),
                       tmp_path / "logs", config=config, processes=processes, timeout=900)
     check_run(out, evaluated=True)
+    if tensor_parallel:  # and the run leaves none of its own (it skips the interpreter's teardown)
+        assert not [p.name for p in SHM_DIR.iterdir() if SEGMENT.fullmatch(p.name)]

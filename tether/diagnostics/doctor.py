@@ -154,12 +154,18 @@ def _evidence(alert: Alert, monitor: HealthMonitor, others: list[Alert]) -> dict
 
 
 def _prescribe(mode: str, run_config: dict, rows: list[dict] = (), since_step: int = 0) -> list[dict]:
-    out = []
+    """The mode's prescriptions with the run's current values: those to try, numbered in priority order, then
+    those the run already follows (``in_place``, no priority)."""
     rxs = [Rx(*rx) for rx in flat_groups_prescriptions(rows, since_step)] if mode == NO_SIGNAL else PRESCRIPTIONS[mode]
-    for i, rx in enumerate(rxs, 1):
+    out = []
+    for rx in rxs:
         current = config_value(run_config, rx.key) if rx.key else None
-        out.append({"priority": i, "action": rx.action, "key": rx.key, "current": current,
-                    "suggestion": rx.suggest(current) if rx.key else None})
+        in_place = current is not None and rx.done(current)
+        out.append({"priority": None, "action": rx.action, "key": rx.key, "current": current,
+                    "suggestion": None if in_place or not rx.key else rx.suggest(current), "in_place": in_place})
+    out.sort(key=lambda p: p["in_place"])  # stable: the priority order within each part
+    for i, p in enumerate((p for p in out if not p["in_place"]), 1):
+        p["priority"] = i
     return out
 
 
@@ -284,12 +290,16 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
                 lines += [f"  step {c['onset_step']:>5}  {c['key']:<28} {c['failure_mode']} (alarm at step "
                           f"{c['alarm_step']})" for c in chain]
         lines.append("prescriptions (in priority order):")
-        for p in d.prescriptions:
+        for p in (p for p in d.prescriptions if not p["in_place"]):
             key = ""
             if p["key"]:
                 now = "" if p["current"] is None else f" (now {p['current']})"
                 key = f"  [{p['key']}{now}" + (f" -> {p['suggestion']}" if p["suggestion"] else "") + "]"
             lines.append(f"  {p['priority']}. {p['action']}{key}")
+        in_place = [p for p in d.prescriptions if p["in_place"]]
+        if in_place:
+            lines.append("already in place (this run does these): " + "; ".join(
+                f"{p['key']} = {p['current']} ({p['action'].split(':')[0].split(' (')[0]})" for p in in_place))
     lines += d.notes
     if d.unchecked:
         lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")

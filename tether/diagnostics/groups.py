@@ -34,23 +34,41 @@ FIRST: dict[str, Prescription] = {
 THEN: list[Prescription] = [
     ("more samples per prompt: K samples hold a success (or a failure) with probability 1 − (1 − p)^K",
      "samples_per_prompt", _double),
-    ("a denser reward: partial credit, or a process reward model's step rewards (--prm-reward per_step)",
-     "reward.process", _none),
+    # no key: reward.process is how a process reward model's scores become rewards, and is set (per_step) whether
+    # or not the run scores with one
+    ("a denser reward: partial credit, or a process reward model's step rewards (--reward PRM_DIR --prm-reward "
+     "per_step)", None, _none),
 ]
 
 
 def flat_groups_kind(rows: list[dict], since_step: int = 0) -> str:
     """``unsolved``, ``solved`` or ``constant``: where the flat groups of ``rows`` (metrics.jsonl, from step
     ``since_step`` on) sit. Solved and unsolved are disjoint unless every sample of a step scored alike (then
-    each equals the no-spread share): an overlap of more than half means the steps were constant."""
-    def mean(key: str) -> float:
-        xs = [r[key] for r in rows if r.get("step", 0) >= since_step and isinstance(r.get(key), (int, float))]
-        return sum(xs) / len(xs) if xs else 0.0
-
-    flat, solved, unsolved = (mean(f"group/{k}_fraction") for k in ("no_spread", "solved", "unsolved"))
-    if flat > 0 and solved + unsolved > 1.5 * flat:
+    each equals the no-spread share). Such a step is read by its score against the run's range of step scores
+    (``objective/scores``): at the bottom its groups are unsolved, at the top solved — a 0/1 reward on a task the
+    policy rarely solves gives many steps with no right sample at all. Only when no step's score differs from
+    another's (or none is recorded) is the reward itself called constant."""
+    steps = [r for r in rows if r.get("step", 0) >= since_step and _number(r.get("group/no_spread_fraction"))]
+    levels = [r["objective/scores"] for r in steps if _number(r.get("objective/scores"))]
+    low, high = (min(levels), max(levels)) if levels else (0.0, 0.0)
+    solved = unsolved = alike = 0.0
+    for r in steps:
+        flat = r["group/no_spread_fraction"]
+        s, u = r.get("group/solved_fraction", 0.0), r.get("group/unsolved_fraction", 0.0)
+        if not (flat > 0 and s + u > 1.5 * flat):
+            solved, unsolved = solved + s, unsolved + u
+        elif high > low and _number(r.get("objective/scores")):
+            at_top = r["objective/scores"] - low > high - r["objective/scores"]
+            solved, unsolved = solved + flat * at_top, unsolved + flat * (not at_top)
+        else:
+            alike += flat
+    if alike > solved + unsolved:
         return "constant"
     return "solved" if solved > unsolved else "unsolved"
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def flat_groups_prescriptions(rows: list[dict], since_step: int = 0) -> list[Prescription]:

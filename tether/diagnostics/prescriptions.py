@@ -29,13 +29,23 @@ def _beta(current):
     return _scaled(2, 4)(current)
 
 
+def _set(current) -> bool:
+    return bool(current) and current != "none"
+
+
+def _is(*values) -> Callable[[Any], bool]:
+    return lambda current: current in values
+
+
 @dataclass(frozen=True)
 class Rx:
-    """One prescription: what to do, the config key, and a suggested value given the current one."""
+    """One prescription: what to do, the config key, a suggested value given the current one, and whether the
+    current value already does it (``done``: the doctor then lists it as in place, not as something to try)."""
 
     action: str
     key: str | None
     suggest: Callable[[Any], str | None] = lambda current: None
+    done: Callable[[Any], bool] = lambda current: False
 
 
 # Reference §D, in its priority order. Config keys are those of tether.ppo.config.RunConfig.
@@ -43,39 +53,40 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
     KL_EXPLOSION: [  # D.2
         Rx("raise β, the KL coefficient (reference: 0.05 → 0.1–0.2)", "kl.coef", _beta),
         Rx("lower the actor learning rate (reference: 1e-6 → 5e-7)", "optim.lr", _scaled(0.5)),
-        Rx("fewer PPO epochs per batch (4 → 1–2)", "ppo.epochs", _fewer_epochs),
+        Rx("fewer PPO epochs per batch (4 → 1–2)", "ppo.epochs", _fewer_epochs, _is(1)),
         Rx("smaller clip range ε (0.2 → 0.1)", "ppo.clip_range", _scaled(0.5)),
-        Rx("adaptive KL controller: β doubles when KL > 1.5 × target", "kl.controller", lambda c: "adaptive"),
+        Rx("adaptive KL controller: β doubles when KL > 1.5 × target", "kl.controller", lambda c: "adaptive",
+           _is("adaptive", "proportional")),
         Rx("roll back to the last healthy checkpoint and rerun with the settings above "
-           "(PPO rarely comes back once it diverges)", "health.rollback", lambda c: "true"),
+           "(PPO rarely comes back once it diverges)", "health.rollback", lambda c: "true", _is(True)),
     ],
     RATIO: [  # D.5, and D.6: ratio.std abnormal in the first steps -> suspect the LR
         Rx("fewer PPO epochs per batch (4 → 2 → 1): the last epochs are the most off-policy", "ppo.epochs",
-           _fewer_epochs),
+           _fewer_epochs, _is(1)),
         Rx("larger minibatches: fewer minibatches, so fewer gradient steps per epoch", "ppo.mini_batches",
-           _fewer_epochs),
+           _fewer_epochs, _is(1)),
         Rx("early-stop the epoch loop when approx KL to π_old > early_stop_factor × ppo.target_kl",
-           "ppo.early_stop", lambda c: "true" if c is not True else None),
+           "ppo.early_stop", lambda c: "true", _is(True)),
         Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
     ],
     VALUE_COLLAPSE: [  # D.4
-        Rx("clip the value update (ε_v = 0.2)", "ppo.clip_range_value", lambda c: "0.2" if not c else None),
+        Rx("clip the value update (ε_v = 0.2)", "ppo.clip_range_value", lambda c: "0.2", _set),
         Rx("lower the critic learning rate", "optim.critic_lr", _scaled(0.5)),
         Rx("clip or normalise rewards: r ∈ [−5, 5] (reward.clip) or z-score (reward.normalize)", "reward.clip",
-           lambda c: "5" if not c or c > 5 else None),
+           lambda c: "5", lambda c: isinstance(c, (int, float)) and 0 < c <= 5),
         Rx("pre-train the critic for a few steps before PPO (critic warm-up)", "critic.warmup_steps",
-           lambda c: "10" if not c else None),
+           lambda c: "10", _set),
         # tether's, after the reference's: when the reward is sparse (value/returns_std small) no critic setting
         # helps, there is nothing to fit (docs/real-models.md, recipe 2)
         Rx("or drop the critic: a group baseline (B17) has no value model to collapse — sample several responses "
            "per prompt (samples_per_prompt 4–8) and baseline each by its group", "advantage.estimator",
-           lambda c: "grpo or rloo, with samples_per_prompt 4–8" if c in (None, "gae") else None),
+           lambda c: "grpo or rloo, with samples_per_prompt 4–8", lambda c: c not in (None, "gae")),
     ],
     REWARD_HACKING: [  # D.3
         Rx("keep (or raise) the per-token KL penalty: the first line of defence", "kl.coef", _beta),
-        Rx("length penalty r' = r − α·len", "reward.length_penalty", lambda c: "0.01" if not c else None),
+        Rx("length penalty r' = r − α·len", "reward.length_penalty", lambda c: "0.01", _set),
         Rx("use an ensemble of 3–5 reward models (several reward.sources), combined by min",
-           "reward.ensemble", lambda c: "min" if c != "min" else None),
+           "reward.ensemble", lambda c: "min", _is("min")),
         Rx("refresh the reward model on the policy's current outputs (online RM refresh, `tether train-rm`)",
            None),
         Rx("iterative / online DPO on fresh preference data", None),
@@ -83,20 +94,21 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
     MODE_COLLAPSE: [  # D.2 (entropy collapse) and D.6 (end of the chain)
         Rx("raise β, the KL coefficient, to hold the policy near the reference", "kl.coef", _beta),
         Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
-        Rx("add an entropy bonus c2", "ppo.entropy_coef", lambda c: "0.01" if not c else None),
-        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
-        Rx("roll back to the last healthy checkpoint", "health.rollback", lambda c: "true"),
+        Rx("add an entropy bonus c2", "ppo.entropy_coef", lambda c: "0.01", _set),
+        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs, _is(1)),
+        Rx("roll back to the last healthy checkpoint", "health.rollback", lambda c: "true", _is(True)),
     ],
     COLLAPSE: [  # gold and reward fell together: the run broke down, whatever the reward model is
-        Rx("roll back to the last healthy checkpoint (before the gold metric fell)", "health.rollback", lambda c: "true"),
+        Rx("roll back to the last healthy checkpoint (before the gold metric fell)", "health.rollback",
+           lambda c: "true", _is(True)),
         Rx("lower the actor learning rate", "optim.lr", _scaled(0.5)),
-        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs),
+        Rx("fewer PPO epochs per batch", "ppo.epochs", _fewer_epochs, _is(1)),
         Rx("raise β, the KL coefficient, to hold the policy near the reference", "kl.coef", _beta),
     ],
     NOT_LEARNING: [  # D.5: clip fraction < 5%
         Rx("raise the actor learning rate", "optim.lr", _scaled(2, 10)),
         Rx("check the advantage signal: do scores vary within a batch? (objective/scores, reward "
-           "normalisation)", "reward.normalize", lambda c: "batch" if c == "none" else None),
+           "normalisation)", "reward.normalize", lambda c: "batch", _set),
         Rx("more PPO epochs per batch", "ppo.epochs", lambda c: f"{c + 1}" if isinstance(c, int) else None),
     ],
     # B17: the first line depends on which way the groups are flat (tether.diagnostics.groups); this is the usual one

@@ -83,6 +83,7 @@ def serve(cfg) -> Path:
     layout = launch_layout(cfg)
     torch.manual_seed(cfg.seed + layout.rank)
     link = Link(layout, cfg.collective_timeout_minutes)
+    engine = None
     try:  # a TetherError (a lost trainer) is the CLI's one line
         engine = make_rollout_engine(cfg, layout, link.device)
         precision = Precision(DTYPES[cfg.model.dtype], link.device.type)
@@ -105,5 +106,7 @@ def serve(cfg) -> Path:
                 else:
                     raise TetherError(f"rollout process {layout.rank}: unknown command {op} from trainer 0")
     finally:
+        if engine is not None:
+            engine.close()
         link.close()
     return Path(cfg.output_dir)

