@@ -54,7 +54,7 @@ def healthy_rows(n: int = N, seed: int = 0, eval_every: int = 5) -> list[dict]:
         }
         if s % eval_every == 0:
             row.update({"eval/reward": score, "eval/accuracy": 0.3 + 0.3 * s / n + rng.gauss(0, 0.01),
-                        "eval/n": 200})
+                        "eval/n": 200, "eval/distinct_responses": min(1.0, jitter(0.9, 0.05))})
         rows.append(row)
     return rows
 
@@ -177,6 +177,32 @@ def test_mode_collapse_entropy():
     assert (d.failure_mode, d.cause_metric, d.first_step) == ("mode collapse", "policy/entropy", 25)
 
 
+def test_mode_collapse_the_same_answer_to_every_held_out_prompt():
+    """Recipe 2's GRPO run, in small: the greedy policy ends up answering every held-out prompt alike (16 distinct
+    of 16, then 15, then 1): distinct responses fall below a quarter of the first evaluation's share at the last
+    evaluation, which confirms at once (nothing comes after). A task whose answers are few from the start (two
+    labels: 2 distinct of 200 throughout) is no collapse."""
+    rows, finished = healthy_rows(), {"steps": N}  # the last row is the run's final step
+    evals = [r for r in rows if "eval/distinct_responses" in r]
+    for r, share in zip(evals, [1.0] * (len(evals) - 2) + [15 / 16, 1 / 16]):
+        r["eval/distinct_responses"] = share
+    d = diagnose(rows, run_config=finished)
+    assert (d.failure_mode, d.cause_metric, d.cause_band) == ("mode collapse", "eval/distinct_responses",
+                                                              "eval_distinct")
+    assert d.first_step == d.alarm_step == evals[-1]["step"] == N
+    assert d.evidence["first_alarm"]["measure"] == pytest.approx(1 / 16)
+    evals[-1]["eval/distinct_responses"] = 0.3  # 0.3×: a warning, which the last evaluation does not confirm
+    d = diagnose(rows, run_config=finished)
+    assert d.healthy
+    evals[-2]["eval/distinct_responses"] = evals[-1]["eval/distinct_responses"] = 0.2  # two in alarm, or ...
+    assert diagnose(rows, run_config=finished).cause_band == "eval_distinct"
+    evals[-1]["eval/distinct_responses"] = 0.9  # ... one in alarm, recovered after: not persistent
+    assert diagnose(rows, run_config=finished).healthy
+    for r in evals:
+        r["eval/distinct_responses"] = 2 / 200
+    assert diagnose(rows, run_config=finished).healthy
+
+
 def test_reward_hacking_length_surge():
     rows = healthy_rows()
     for r in rows[29:]:
@@ -293,7 +319,7 @@ def test_missing_keys_tolerated():
     rows = [{k: v for k, v in r.items() if not k.startswith(("value/", "eval/"))} for r in healthy_rows()]
     d = diagnose(rows)
     assert d.healthy
-    assert set(d.unchecked) == {"value_loss", "explained_variance", "gold_drop", "gold_collapse"}
+    assert set(d.unchecked) == {"value_loss", "explained_variance", "gold_drop", "gold_collapse", "eval_distinct"}
 
 
 def test_nan_metric_is_an_alarm():

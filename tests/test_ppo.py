@@ -4,6 +4,7 @@ a toy reward that rises."""
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -266,11 +267,20 @@ def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
     run = train(cfg)
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1]
-    assert set(rows[0]) == {"step", "eval/reward", "eval/n", "eval/kl_sequence"}
+    assert set(rows[0]) == {"step", "eval/reward", "eval/n", "eval/kl_sequence", "eval/distinct_responses"}
     assert rows[0]["eval/kl_sequence"] == 0.0  # nothing trained yet: policy == reference
-    fresh, _ = evaluate(setup(cfg), cfg, 0)  # the same initial policy, evaluated on its own
+    fresh, samples = evaluate(setup(cfg), cfg, 0)  # the same initial policy, evaluated on its own
     assert rows[0]["eval/reward"] == pytest.approx(fresh["eval/reward"], abs=1e-6)
+    assert len(samples) == 8 and rows[0]["eval/distinct_responses"] == len({s["response"].strip() for s in samples}) / 8
     assert (run / "samples" / "step_0.jsonl").is_file() and (run / "samples" / "step_1.jsonl").is_file()
+
+
+def test_distinct_responses_by_hand():
+    from tether.ppo.evaluate import distinct_fraction
+
+    assert distinct_fraction(["The answer is 2."] * 100) == 0.01
+    assert distinct_fraction(["4", " 4\n", "5", "x"]) == 0.75  # surrounding whitespace is not a difference
+    assert distinct_fraction(["a", "b"]) == 1.0 and math.isnan(distinct_fraction([]))
 
 
 def test_toy_reward_rises_with_kl_tether(files, tmp_path):

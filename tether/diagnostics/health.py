@@ -36,10 +36,11 @@ NO_SIGNAL = "no signal in the groups"
 #   value   the metric itself
 #   recent  metric / median of its previous `window` values          (sudden jumps and drops)
 #   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
+#   first   metric / its first value                                   (evaluations: few, far apart)
 #   gold    evidence (a one-sided z; tether.diagnostics.gold) that the gold metric fell below its best evaluation
 #           so far, at evaluations where the reward kept at least half its gain: "the proxy still says better"
 #   gold_collapse  the same evidence at evaluations where the reward fell too
-MEASURES = ("value", "recent", "early", "gold", "gold_collapse")
+MEASURES = ("value", "recent", "early", "first", "gold", "gold_collapse")
 GOLD_MEASURES = ("gold", "gold_collapse")
 
 
@@ -105,7 +106,8 @@ class Band:
 
     def unit(self) -> str:
         gold = " σ below best"
-        return {"recent": "× recent median", "early": "× early median", "gold": gold, "gold_collapse": gold}.get(
+        return {"recent": "× recent median", "early": "× early median", "first": "× first evaluation", "gold": gold,
+                "gold_collapse": gold}.get(
             self.measure, "")
 
 
@@ -159,6 +161,11 @@ BANDS: tuple[Band, ...] = (
          "held-out gold metric significantly below its best evaluation while the reward fell too: the run got "
          "worse by its own measure as well, a breakdown rather than Goodhart",
          needs=("eval/n",), final_confirms=True),
+    # The greedy policy answering every held-out prompt alike (recipe 2's GRPO run: "The answer is 2." to all 100,
+    # its 8% accuracy the 8 problems whose answer is 2): no reward or gold band sees a constant guess that scores.
+    Band("eval_distinct", "eval/distinct_responses", "first", (0.5, None), 0.25, None, MODE_COLLAPSE,
+         "share of distinct held-out responses against the first evaluation; collapse = the same answer to "
+         "different prompts", final_confirms=True),
     # K >= 2 samples per prompt (B17): a group scored all alike gives every group baseline a zero advantage; for a 0/1
     # reward solved with probability p their share is p^K + (1 − p)^K (K = 4: 0.13 at p = 0.5, 0.82 at p = 0.05).
     Band("no_spread", "group/no_spread_fraction", "value", (None, 0.5), None, 0.8, NO_SIGNAL,
@@ -301,6 +308,10 @@ class _Tracker:
                 return None
             base = statistics.median(self.history[:cfg.baseline_steps])
             return value / base if base > 0 else None
+        if b.measure == "first":
+            self.history.append(value)
+            base = self.history[0]
+            return value / base if len(self.history) > 1 and base > 0 else None
         # gold: needs a reward and the evaluation's size on the same row; per-problem results when logged
         reward = next((v for k in REWARD_KEYS if (v := _number(row.get(k))) is not None and math.isfinite(v)), None)
         n = _number(row.get("eval/n"))
@@ -326,7 +337,7 @@ class _Tracker:
             return None
         state = self.band.state(measure)
         alone = final and self.band.final_confirms and (
-            state == "alarm" or (state == "warn" and (self.point is None or self.point.tether_off)))
+            state == "alarm" or (state == "warn" and self.point is not None and self.point.tether_off))
         state = "alarm" if alone else state
         self.trace.append(Point(step, value, measure, state))
         if state == "ok":

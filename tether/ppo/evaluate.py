@@ -55,7 +55,8 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
     scores = torch.cat(scores_all)
     scores = scores[torch.isfinite(scores)]  # rows a rule failed on or a NaN score are left out (B16)
     metrics = {"eval/reward": float(scores.mean()) if len(scores) else float("nan"), "eval/n": len(samples),
-               "eval/kl_sequence": sum(s["kl"] for s in samples) / len(samples)}
+               "eval/kl_sequence": sum(s["kl"] for s in samples) / len(samples),
+               "eval/distinct_responses": distinct_fraction([s["response"] for s in samples])}
     if correct_all:
         correct = (torch.cat(correct_all) > 0.5).tolist()
         metrics["eval/accuracy"] = sum(correct) / len(correct)
@@ -63,3 +64,10 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
         # evaluations problem by problem (an exact McNemar test), which an accuracy alone cannot (D1).
         metrics["eval/correct"] = "".join("1" if c else "0" for c in correct)
     return metrics, samples
+
+
+def distinct_fraction(responses: list[str]) -> float:
+    """Distinct responses ÷ responses, ignoring surrounding whitespace: near 1 when different prompts get different
+    answers; 1/n when the policy gives every prompt the same one (a constant guess that a reward or gold rule
+    can still partly credit — the doctor's ``eval_distinct`` band)."""
+    return len({r.strip() for r in responses}) / len(responses) if responses else float("nan")
