@@ -273,3 +273,28 @@ def test_under_two_processes_the_main_process_callback_stops_every_process(files
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
     assert json.loads((run / "ranks.json").read_text())["in_sync"] is True
     assert (run / "policy" / "model.safetensors").is_file()
+
+
+def test_a_python_gold_rule_scores_eval_accuracy_and_is_needed_again_to_resume(files, tmp_path, capsys):
+    """``gold=`` takes a callable with a rule's signature: it decides eval/accuracy (every held-out response it
+    marks, in eval/correct and the samples), config.yaml records it as ``python:NAME``, and a resume needs it
+    again (the command line refuses in one line, as for a Python reward)."""
+    def even_length(prompts, responses, **columns):
+        return [float(len(r) % 2 == 0) for r in responses]
+
+    cfg = tiny_config(tmp_path, *files, steps=1, save_every=1, eval__every=1, eval__n=8, eval__samples=8,
+                      data__eval_fraction=0.25)
+    run_dir = tether.PPOTrainer(cfg, gold=even_length).train().run_dir
+    row = rows(run_dir)[-1]
+    samples = [json.loads(line) for line in (run_dir / "samples" / "step_1.jsonl").read_text().splitlines()]
+    marks = [len(s["response"]) % 2 == 0 for s in samples]
+    assert len(samples) == row["eval/n"] == 8 and [s["correct"] for s in samples] == marks
+    assert row["eval/accuracy"] == sum(marks) / 8 and row["eval/correct"] == "".join(str(int(m)) for m in marks)
+    saved = run_dir / "config.yaml"
+    assert yaml_dict(saved)["reward"]["gold"] == "python:even_length"
+    refusal = "--gold python:even_length: this run's gold rule was a Python function; resume it from Python"
+    assert cli_error(["ppo", "--config", str(saved), "--resume", "--steps", "2"], capsys).startswith(refusal)
+    result = tether.PPOTrainer({**yaml_dict(saved), "steps": 2}, gold=even_length, resume=True).train()
+    assert [r["step"] for r in rows(result.run_dir)] == [1, 2]
+    with pytest.raises(ConfigError, match="gold: a rule spec or a callable"):
+        tether.PPOTrainer(cfg, gold=3)

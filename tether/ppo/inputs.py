@@ -30,6 +30,7 @@ class GivenInputs:
     rewards: dict[str, object] = field(default_factory=dict)
     prompts: list[dict] | None = None       # in place of data.prompts
     eval_prompts: list[dict] | None = None  # in place of data.eval_prompts
+    gold: object | None = None  # the eval/accuracy rule, when reward.gold is a python: name
 
 
 def importable_spec(fn) -> str | None:
@@ -91,10 +92,11 @@ def detached(cfg):
     return out
 
 
-def resolve_inputs(cfg, reward=None, prompts=None, eval_prompts=None) -> GivenInputs:
+def resolve_inputs(cfg, reward=None, prompts=None, eval_prompts=None, gold=None) -> GivenInputs:
     """Record in ``cfg`` (a RunConfig, before its checks) the names of what is given as objects — rewards in
-    ``reward`` or as objects in ``cfg.reward.sources``, prompt data — and return the objects. A ``python:``
-    name already in the config (a resumed run's) is filled by the object given under it."""
+    ``reward`` or as objects in ``cfg.reward.sources``, prompt data, the gold rule ``gold`` (a spec, or a callable
+    named as a reward is) — and return the objects. A ``python:`` name already in the config (a resumed run's)
+    is filled by the object given under it."""
     from tether.ppo.prompts import prompts_from_data
 
     current = cfg.reward.sources
@@ -110,6 +112,19 @@ def resolve_inputs(cfg, reward=None, prompts=None, eval_prompts=None) -> GivenIn
     if eval_prompts is not None:
         out.eval_prompts = prompts_from_data(eval_prompts, "eval_prompts")
         cfg.data.eval_prompts = data_name(out.eval_prompts, "eval_prompts")
+    if gold is not None and not isinstance(gold, str):
+        if not callable(gold):
+            raise ConfigError(f"gold: a rule spec or a callable f(prompts, responses, **columns), got "
+                              f"{type(gold).__name__}")
+        spec = importable_spec(gold) or PYTHON + getattr(gold, "__name__", type(gold).__name__).replace(
+            "<lambda>", "lambda").replace(":", "_")
+        out.gold = gold if spec.startswith(PYTHON) else None
+        cfg.reward.gold = spec
+    elif gold is not None:
+        cfg.reward.gold = gold
+    if cfg.reward.gold.startswith(PYTHON) and out.gold is None:
+        raise TetherError(f"--gold {cfg.reward.gold}: this run's gold rule was a Python function; resume it from "
+                          f"Python, giving it again: tether.PPOTrainer(config, ..., gold=..., resume=True)")
     check_given(cfg.reward.sources, out.rewards)
     for key, value, data in (("--prompts", cfg.data.prompts, out.prompts),
                              ("--eval-prompts", cfg.data.eval_prompts, out.eval_prompts)):

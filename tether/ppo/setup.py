@@ -108,9 +108,11 @@ def seed_everything(seed: int, rank: int = 0) -> None:
     torch.manual_seed(seed + rank)  # ranks sample different responses
 
 
-def resolve_gold(spec: str, rows: list[dict]):
-    """The eval/accuracy rule: explicit ``module:function``, ``none``, or ``auto`` (the math rule when
-    the prompt rows carry an ``answer``)."""
+def resolve_gold(spec: str, rows: list[dict], given=None):
+    """The eval/accuracy rule: explicit ``module:function``, ``none``, ``auto`` (the math rule when the prompt
+    rows carry an ``answer``), or ``python:NAME``: the callable ``given`` from Python."""
+    if given is not None:
+        return given
     if spec == "none":
         return None
     if spec == "auto":
@@ -119,7 +121,7 @@ def resolve_gold(spec: str, rows: list[dict]):
 
             return math_correct
         return None
-    return load_rule(spec)
+    return load_rule(spec, flag="--gold")
 
 
 def load_prompt_sets(cfg, given: GivenInputs | None = None) -> tuple[list[dict], list[dict]]:
@@ -288,7 +290,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
         optim = make_optimisation(cfg, policy, critic, precision)
         models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg, precision)
     processes.closing.append(models.engine.close)
+    gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
-                eval_rows=eval_rows, sources=sources, gold=resolve_gold(cfg.reward.gold, eval_rows or train_rows),
-                running_scores=RunningMoments())
+                eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments())
     return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))

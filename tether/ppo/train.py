@@ -76,7 +76,8 @@ class PPOTrainer:
     sources beside ``reward.sources`` — specs, callables ``f(prompts, responses, **columns) -> list[float]``,
     ``RewardModel``/``RewardEnsemble``/``ProcessRewardModel`` objects, or a dict ``{name: source}``
     (:mod:`tether.ppo.inputs` says what the config records); ``prompts``/``eval_prompts``: a
-    ``datasets.Dataset`` or a list of rows, texts or message lists, in place of the files; ``callbacks``:
+    ``datasets.Dataset`` or a list of rows, texts or message lists, in place of the files; ``gold``: the rule of
+    ``eval/accuracy`` (``reward.gold``), a spec or a callable as a reward rule is; ``callbacks``:
     :mod:`tether.callbacks`; ``resume``: continue the run in ``output_dir`` from its newest checkpoint.
 
     Construction checks everything, loads the models and restores the checkpoint; ``step()`` runs the next step
@@ -84,14 +85,15 @@ class PPOTrainer:
     or a health alarm stops the run) and finishes it (roll-back, export); ``evaluate()`` evaluates the current
     policy on the held-out prompts."""
 
-    def __init__(self, config, reward=None, prompts=None, eval_prompts=None, callbacks=(), resume: bool = False):
+    def __init__(self, config, reward=None, prompts=None, eval_prompts=None, callbacks=(), resume: bool = False,
+                 gold=None):
         from tqdm.auto import tqdm
 
         from tether.diagnostics.health import HealthMonitor
         from tether.ppo.setup import setup
 
         cfg = detached(as_config(RunConfig, config, check=False))  # the caller's config is left as it was
-        self.given = resolve_inputs(cfg, reward, prompts, eval_prompts)
+        self.given = resolve_inputs(cfg, reward, prompts, eval_prompts, gold)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
         self.run_dir = Path(cfg.output_dir)
         if launch_layout(cfg).is_rollout:  # disaggregated layout: this process only generates, until the trainers stop
