@@ -48,6 +48,11 @@ def _group_moments(scores: torch.Tensor, k: int, valid: torch.Tensor | None):
     return s, keep, n, s.sum(dim=1, keepdim=True) / n.clamp(min=1.0), high, low
 
 
+def _group_std(s: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """(G, 1) sample std of each group's kept scores, sqrt( Σ_j (s_j − mean)² / (n − 1) ) (0 with n < 2)."""
+    return (torch.where(keep, (s - mean) ** 2, 0.0).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1.0)).sqrt()
+
+
 def rloo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free"; Ahmadian et al. 2024):
     each sample's baseline is the mean of the other samples of its prompt,
@@ -71,8 +76,8 @@ def grpo_scores(scores: torch.Tensor, k: int, eps: float = 1e-6, valid: torch.Te
     1e-9). A group whose kept scores are all equal gets exactly 0 (not the rounding residual of its mean over
     eps: see ``_group_moments``). ``scores`` (B,) → (B,); fewer than 2 kept: 0."""
     s, keep, n, mean, high, low = _group_moments(scores, k, valid)
-    var = torch.where(keep, (s - mean) ** 2, 0.0).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1.0)
-    return torch.where(keep & (n >= 2) & (high > low), (s - mean) / (var.sqrt() + eps), 0.0).flatten()
+    std = _group_std(s, keep, n, mean)
+    return torch.where(keep & (n >= 2) & (high > low), (s - mean) / (std + eps), 0.0).flatten()
 
 
 def dr_grpo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,9 +155,9 @@ def group_spread(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None
     a_i = 0, no signal; ``counted``, True for groups with at least 2 kept samples (the others say nothing);
     ``high``/``low``, its largest and smallest kept score."""
     s, keep, n, mean, high, low = _group_moments(scores, k, valid)
-    var = torch.where(keep, (s - mean) ** 2, 0.0).sum(dim=1) / (n.squeeze(1) - 1).clamp(min=1.0)
+    std = _group_std(s, keep, n, mean).squeeze(1)
     high, low = high.squeeze(1), low.squeeze(1)
     counted = n.squeeze(1) >= 2
     no_spread = counted & (high - low <= rtol * (1.0 + high.abs()))
-    return {"std": torch.where(counted, var.sqrt(), 0.0), "no_spread": no_spread, "counted": counted,
+    return {"std": torch.where(counted, std, 0.0), "no_spread": no_spread, "counted": counted,
             "high": high, "low": low}
