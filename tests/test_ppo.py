@@ -272,6 +272,9 @@ def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
     fresh, samples = evaluate(setup(cfg), cfg, 0)  # the same initial policy, evaluated on its own
     assert rows[0]["eval/reward"] == pytest.approx(fresh["eval/reward"], abs=1e-6)
     assert len(samples) == 8 and rows[0]["eval/distinct_responses"] == len({s["response"].strip() for s in samples}) / 8
+    # the reward by hand from the texts (tiny_config's rule: the share of "7" among the response's characters)
+    by_hand = [r.count("7") / len(r) if r else 0.0 for r in (s["response"] for s in samples)]
+    assert rows[0]["eval/reward"] == pytest.approx(sum(by_hand) / 8, abs=1e-6)
     assert (run / "samples" / "step_0.jsonl").is_file() and (run / "samples" / "step_1.jsonl").is_file()
 
 
