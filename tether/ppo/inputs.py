@@ -45,6 +45,12 @@ def importable_spec(fn) -> str | None:
     return f"{module}:{name}" if found is fn else None
 
 
+def object_name(obj) -> str:
+    """NAME of ``python:NAME`` for an object with no importable spec: its ``__name__`` (a lambda: ``lambda``) or
+    its class name, without ':'."""
+    return getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda").replace(":", "_")
+
+
 def reward_specs(reward) -> dict[str, object]:
     """``{spec: object}`` in order (a string source maps to itself) for ``reward``: one source, a dict
     ``{name: object}``, or a list of these (specs and objects mixed). A ``python:NAME`` spec already there as a
@@ -62,7 +68,7 @@ def reward_specs(reward) -> dict[str, object]:
             raise ConfigError(f"--reward: the name {name!r} of a Python reward must be text without ':'")
         spec = PYTHON + name if name is not None else importable_spec(obj)
         if spec is None:
-            base = getattr(obj, "__name__", type(obj).__name__).replace("<lambda>", "lambda").replace(":", "_")
+            base = object_name(obj)
             spec, n = PYTHON + base, 2
             while spec in out and not isinstance(out[spec], str):
                 spec, n = f"{PYTHON}{base}_{n}", n + 1
@@ -116,8 +122,7 @@ def resolve_inputs(cfg, reward=None, prompts=None, eval_prompts=None, gold=None)
         if not callable(gold):
             raise ConfigError(f"gold: a rule spec or a callable f(prompts, responses, **columns), got "
                               f"{type(gold).__name__}")
-        spec = importable_spec(gold) or PYTHON + getattr(gold, "__name__", type(gold).__name__).replace(
-            "<lambda>", "lambda").replace(":", "_")
+        spec = importable_spec(gold) or PYTHON + object_name(gold)
         out.gold = gold if spec.startswith(PYTHON) else None
         cfg.reward.gold = spec
     elif gold is not None:
