@@ -40,7 +40,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def batch(vocab: int, rows: int):
-    from tether.ppo.records import Rollout
+    from tether.rollout.records import Rollout
 
     g = torch.Generator().manual_seed(0)
     query = torch.randint(0, vocab - 4, (rows, PROMPT), generator=g)
@@ -58,8 +58,8 @@ def main() -> int:
     p.add_argument("--json")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from tether.ppo.models import load_causal_lm
-    from tether.ppo.rollout import forward_response
+    from tether.hf import load_causal_lm
+    from tether.ppo.forward import forward_response
 
     with tempfile.TemporaryDirectory() as tmp:
         policy_dir, _, n_params = build_models(Path(tmp), a.size)

@@ -70,13 +70,13 @@ def planned(cfg, trainers: int, zero: int) -> tuple[float, list[dict]]:
 def worker(a) -> None:
     import torch
 
-    from tether.ppo.layout import launch_layout
     from tether.ppo.setup import setup
     from tether.ppo.step import ppo_step
+    from tether.rollout.layout import launch_layout
 
     cfg = run_config(a)
     if launch_layout(cfg).is_rollout:
-        from tether.ppo.rollout_process import serve
+        from tether.rollout.server import serve
 
         serve(cfg)
         return

@@ -31,10 +31,9 @@ from ppo_step import SIZES, WORDS, build_models  # noqa: E402
 
 
 def policy_and_prompts(root: Path, a):
-    from tether.hf import load_tokenizer
-    from tether.ppo.models import load_causal_lm
-    from tether.ppo.rollout import encode_prompts
+    from tether.hf import load_causal_lm, load_tokenizer
     from tether.presets import resolve_model_path
+    from tether.rollout.sampling import encode_prompts
 
     path = resolve_model_path(a.model, what="policy") if a.model else build_models(root, a.size)[0]
     tokenizer, model = load_tokenizer(path), load_causal_lm(path)
@@ -46,11 +45,11 @@ def policy_and_prompts(root: Path, a):
 
 
 def make(name: str, model, tokenizer, a):
-    from tether.ppo.engines import TransformersEngine
+    from tether.rollout.engines import TransformersEngine
 
     if name == "transformers":
         return TransformersEngine(model, tokenizer)
-    from tether.ppo.vllm_engine import VLLMEngine
+    from tether.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model, tokenizer, max_model_len=64 + a.new_tokens, rows=a.batch, seed=0)
 
@@ -72,7 +71,7 @@ def main() -> int:
         names = ["transformers"]
         print("vLLM is not installed: measuring the transformers engine only (docs/sampling.md)")
 
-    from tether.ppo.rollout import forward_response
+    from tether.ppo.forward import forward_response
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer, query, query_mask = policy_and_prompts(Path(tmp), a)

@@ -17,8 +17,8 @@ from tiny import tiny_config  # noqa: E402
 
 from tether.core.kl import kl_penalty  # noqa: E402
 from tether.ppo import step as step_module  # noqa: E402
+from tether.ppo.forward import critic_values, forward_response  # noqa: E402
 from tether.ppo.records import Experience  # noqa: E402
-from tether.ppo.rollout import critic_values, forward_response  # noqa: E402
 from tether.ppo.setup import setup  # noqa: E402
 
 ROWS = 8

@@ -115,7 +115,7 @@ def test_reward_trainer_takes_a_dataset_and_trains_the_same_model_as_from_the_fi
 def test_message_prompts_go_through_the_chat_template_and_reach_rules_as_given(tmp_path):
     from transformers import AutoTokenizer
 
-    from tether.ppo.rollout import encode_prompts, prompt_messages
+    from tether.rollout.sampling import encode_prompts, prompt_messages
 
     policy = make_llama_chat_dir(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(policy)

@@ -133,7 +133,7 @@ def test_kl_as_a_loss_term_is_the_k3_token_mean_times_beta(files, tmp_path, monk
 def test_dr_grpo_gradient_is_the_surrogate_summed_over_rows_times_max_new_tokens(files, tmp_path, monkeypatch):
     """One minibatch of 8 rows in 4 micro-batches: the gradient the optimiser clips equals that of
     −Σ_tokens A_t·ρ_t / (8 · max_new_tokens), computed here directly at ρ = 1 (not a token mean)."""
-    from tether.ppo.rollout import forward_response
+    from tether.ppo.forward import forward_response
 
     cfg = tiny_config(tmp_path, *files, batch_size=4, samples_per_prompt=2, ppo__mini_batches=1, ppo__epochs=1,
                       ppo__grad_accumulation=4, advantage__estimator="dr_grpo", optim__max_grad_norm=0)

@@ -17,10 +17,11 @@ from tiny import make_policy_dir, make_prompts_file, tiny_config
 
 import tether.ppo.step as ppo_module
 from tether.ppo.config import PPOConfig
-from tether.ppo.rollout import forward_response, response_mask_after_eos
+from tether.ppo.forward import forward_response
 from tether.ppo.setup import setup
 from tether.ppo.step import ppo_step
 from tether.ppo.train import train
+from tether.rollout.sampling import response_mask_after_eos
 
 
 @pytest.fixture(scope="module")
@@ -342,8 +343,8 @@ def test_training_side_logprobs_match_the_sampler_under_left_padding(files):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from tether.hf import load_tokenizer
-    from tether.ppo.records import Rollout
-    from tether.ppo.rollout import encode_prompts, response_mask_after_eos
+    from tether.rollout.records import Rollout
+    from tether.rollout.sampling import encode_prompts, response_mask_after_eos
 
     tokenizer = load_tokenizer(files[0])
     model = AutoModelForCausalLM.from_pretrained(files[0]).eval()
@@ -427,7 +428,8 @@ def test_trimmed_length_grouped_microbatches_give_the_padded_gradient(files, tmp
 
 
 def test_trimmed_cuts_only_columns_that_are_padding_in_every_row():
-    from tether.ppo.records import Experience, Rollout
+    from tether.ppo.records import Experience
+    from tether.rollout.records import Rollout
 
     query_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])  # the first column is padding in both rows
     response_mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])  # the last 3 columns too

@@ -113,7 +113,7 @@ def test_fsdp_settings_read_from_the_launch_environment(monkeypatch):
     """What accelerate launch --config_file fsdp2.yaml exports, read as tether reads it; FSDP1 and parameter
     offload are refused with a one-line error; without the variables there is no FSDP."""
     from tether.errors import TetherError
-    from tether.ppo.sharding import fsdp_settings
+    from tether.sharding import fsdp_settings
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert fsdp_settings() is None

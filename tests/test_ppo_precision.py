@@ -10,7 +10,7 @@ import torch
 from tiny import make_policy_dir, make_prompts_file, tiny_config
 
 import tether.ppo.step as ppo_module
-from tether.ppo.rollout import forward_response
+from tether.ppo.forward import forward_response
 from tether.ppo.setup import setup
 from tether.ppo.step import ppo_step
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.test_recipes import _need_real_models
 from tether.errors import ConfigError, TetherError
-from tether.ppo.rollout import encode_prompts, prompt_messages
+from tether.rollout.sampling import encode_prompts, prompt_messages
 
 HH = "\n\nHuman: hi there\n\nAssistant: hello!\n\nHuman: add 2 and 3\n\nAssistant:"
 

@@ -31,7 +31,7 @@ from bad_rules import nan_some
 from launcher import accelerate_launch
 from tiny import make_llama_chat_dir
 
-from tether.ppo.vllm_engine import INSTALL
+from tether.rollout.vllm_engine import INSTALL
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM = " ".join(["you are a careful adder"] * 7)  # 161 characters, one token each

@@ -9,8 +9,9 @@ import torch
 from tiny import make_policy_dir, make_prompts_file, tiny_config
 
 from tether.errors import ConfigError
-from tether.ppo.records import Rollout
-from tether.ppo.rollout import encode_prompts, forward_response, generate, sequence_inputs
+from tether.ppo.forward import forward_response, sequence_inputs
+from tether.rollout.records import Rollout
+from tether.rollout.sampling import encode_prompts, generate
 
 # What instruct checkpoints ship in generation_config.json; each would change transformers' sampling.
 LEAKY = {"repetition_penalty": 1.5, "top_k": 3, "top_p": 0.5, "min_p": 0.2, "no_repeat_ngram_size": 2,
@@ -185,10 +186,10 @@ def test_an_engine_with_its_own_weights_is_synced_before_sampling(files, tmp_pat
     evaluation, which follows an update, syncs first too; the transformers engine syncs nothing (0.0 above)."""
     import tether.ppo.perf as perf_module
     import tether.ppo.step as step_module
-    from tether.ppo.engines import TransformersEngine
     from tether.ppo.evaluate import evaluate
     from tether.ppo.setup import setup
-    from tether.ppo.weights import SyncSeconds
+    from tether.rollout.engines import TransformersEngine
+    from tether.rollout.weights import SyncSeconds
 
     cfg = tiny_config(tmp_path, *files, data__eval_fraction=0.25)
     run = setup(cfg)

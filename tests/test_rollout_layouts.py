@@ -27,8 +27,8 @@ import torch
 from launcher import accelerate_launch, finish_launch, free_port, start_launch
 from tiny import make_llama_chat_dir, make_policy_dir, make_prompts_file
 
-from tether.ppo.vllm_engine import INSTALL
-from tether.ppo.vllm_shm import SEGMENT, SHM_DIR
+from tether.rollout.vllm_engine import INSTALL
+from tether.rollout.vllm_shm import SEGMENT, SHM_DIR
 
 SYSTEM = " ".join(["you are a careful adder"] * 7)  # 161 characters, one token each
 STEPS = 3

@@ -12,10 +12,11 @@ import torch
 from tiny import make_policy_dir, make_prompts_file, tiny_config
 
 from tether.errors import ConfigError
-from tether.ppo.engines import make_engine
-from tether.ppo.rollout import encode_prompts, forward_response
-from tether.ppo.vllm_engine import INSTALL, kv_cache_bytes
-from tether.ppo.weights import policy_weights
+from tether.ppo.forward import forward_response
+from tether.rollout.engines import make_engine
+from tether.rollout.sampling import encode_prompts
+from tether.rollout.vllm_engine import INSTALL, kv_cache_bytes
+from tether.rollout.weights import policy_weights
 
 # What instruct checkpoints ship in generation_config.json; each would change what vLLM samples if read.
 LEAKY = {"repetition_penalty": 5.0, "top_k": 2, "top_p": 0.3, "min_p": 0.3, "no_repeat_ngram_size": 1,
@@ -56,8 +57,7 @@ def chat_policy(tmp_path_factory):
 def _leaky_policy(policy_dir, lora: bool = False):
     """The policy with LEAKY in its generation config and three frequent tokens as extra EOS ids (so rows end
     with EOS as well as by truncation); with ``lora``, a peft adapter whose B is not zero."""
-    from tether.hf import apply_lora, load_tokenizer
-    from tether.ppo.models import load_causal_lm
+    from tether.hf import apply_lora, load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(policy_dir)
     model = load_causal_lm(policy_dir)
@@ -126,7 +126,7 @@ def test_engine_samples_the_scored_distribution_before_and_after_updates(chat_po
     checkpoint's repetition_penalty, top_k, top_p, min_p, no_repeat_ngram_size and temperature would each
     change these log-probs if vLLM read them."""
     _vllm()
-    from tether.ppo.vllm_engine import VLLMEngine
+    from tether.rollout.vllm_engine import VLLMEngine
 
     model, tokenizer = _leaky_policy(chat_policy, lora)
     query, query_mask = _prompts(tokenizer, system=SYSTEM)
@@ -162,7 +162,7 @@ def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
     leaves torch's thread control and its random stream to the trainer (in-process vLLM seeds the global RNGs:
     every process of a launch would draw the same seeds)."""
     _vllm()
-    from tether.ppo.vllm_engine import VLLMEngine
+    from tether.rollout.vllm_engine import VLLMEngine
 
     model, tokenizer = _leaky_policy(files[0])
     query, query_mask = _prompts(tokenizer, n=1)

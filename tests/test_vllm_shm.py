@@ -1,11 +1,11 @@
-"""Stale shared memory of vLLM's CPU tensor-parallel groups (tether.ppo.vllm_shm): a segment of vLLM's naming that
+"""Stale shared memory of vLLM's CPU tensor-parallel groups (tether.rollout.vllm_shm): a segment of vLLM's naming that
 no live process maps is removed; one a live process maps, or of another naming, is kept. Runs without vLLM."""
 
 import mmap
 import subprocess
 import sys
 
-from tether.ppo.vllm_shm import SEGMENT, mapped_paths, remove_stale_segments
+from tether.rollout.vllm_shm import SEGMENT, mapped_paths, remove_stale_segments
 
 
 def test_vllm_segment_names_are_recognised():

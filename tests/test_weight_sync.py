@@ -11,15 +11,14 @@ import torch
 from tiny import make_llama_chat_dir, make_policy_dir
 
 from tether.errors import ConfigError
-from tether.ppo.layout import Layout, launch_layout, trainers_world
-from tether.ppo.remote import dtype_groups
-from tether.ppo.rollout_process import left_padded
-from tether.ppo.weights import block_prefixes, lora_delta, manifest, policy_blocks, policy_weights
+from tether.rollout.layout import Layout, launch_layout, trainers_world
+from tether.rollout.remote import dtype_groups
+from tether.rollout.server import left_padded
+from tether.rollout.weights import block_prefixes, lora_delta, manifest, policy_blocks, policy_weights
 
 
 def lora_policy(path, seed: int = 0, dtype: str = "fp32"):
-    from tether.hf import apply_lora
-    from tether.ppo.models import load_causal_lm
+    from tether.hf import apply_lora, load_causal_lm
 
     model = apply_lora(load_causal_lm(path, dtype), r=4, alpha=8, dropout=0.0, target_modules="all-linear")
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -120,9 +119,9 @@ def test_transformers_sampler_logprobs_are_the_trainers(tmp_path, min_new_tokens
     """A rollout process without vLLM reports the sampled tokens' log-probs from generate's processed scores: equal
     to the trainer's forward (softmax(logits / T), EOS masked under min_new_tokens) to 1e-4 in fp32, with ~200-token
     chat prompts sharing a 161-token system turn; 0 on padding."""
-    from tether.hf import load_tokenizer
-    from tether.ppo.models import load_causal_lm
-    from tether.ppo.rollout import encode_prompts, forward_response, generate
+    from tether.hf import load_causal_lm, load_tokenizer
+    from tether.ppo.forward import forward_response
+    from tether.rollout.sampling import encode_prompts, generate
 
     path = make_llama_chat_dir(tmp_path)
     tokenizer, model = load_tokenizer(path), load_causal_lm(path)

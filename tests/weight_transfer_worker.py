@@ -5,8 +5,8 @@
 Ranks 0-1 are trainers holding an FSDP2-sharded policy, rank 2 a rollout process (the disaggregated layout's
 ``--rollout-processes 1``). For each case — a Llama full fine-tune (tied embeddings, rows split unevenly over the
 shards) and a GPT-2 with a LoRA adapter whose B is not zero (Conv1D: ΔW transposed) — trainer 0 sends the weights
-(:func:`tether.ppo.remote.send_weights`, the other trainer taking part in the all-gathers) and the rollout process
-receives them (:func:`tether.ppo.remote.receive_weights`). Written to OUT for the test to compare:
+(:func:`tether.rollout.remote.send_weights`, the other trainer taking part in the all-gathers) and the rollout process
+receives them (:func:`tether.rollout.remote.receive_weights`). Written to OUT for the test to compare:
 ``CASE-received.pt`` (what arrived) and ``CASE-trainer.pt`` (the trainer's weights, merged: gathered by torch's own
 ``get_model_state_dict``, loaded into an unsharded copy, LoRA folded by peft's ``merge_and_unload``).
 """
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-from tether.ppo.layout import Layout, Link, trainers_world
-from tether.ppo.remote import receive_weights, send_weights
-from tether.ppo.weights import SyncSeconds, policy_blocks
+from tether.rollout.layout import Layout, Link, trainers_world
+from tether.rollout.remote import receive_weights, send_weights
+from tether.rollout.weights import SyncSeconds, policy_blocks
 
 
 def build(case: str, path: str):
-    from tether.hf import apply_lora
-    from tether.ppo.models import load_causal_lm
+    from tether.hf import apply_lora, load_causal_lm
 
     model = load_causal_lm(path)
     if case == "gpt2_lora":
@@ -38,7 +37,7 @@ def build(case: str, path: str):
 
 def trainer_weights(case: str, path: str, sharded) -> dict[str, torch.Tensor]:
     """The trainer's weights as a checkpoint names them, from a path independent of tether's gather."""
-    from tether.ppo.sharding import full_model_state
+    from tether.sharding import full_model_state
 
     state = full_model_state(sharded)  # collective; the full tensors on process 0
     if torch.distributed.get_rank() != 0:
@@ -64,7 +63,7 @@ def main() -> None:
             received = {name: t.clone() for name, t in receive_weights(link)}
             torch.save(received, out / f"{case}-received.pt")
             continue
-        from tether.ppo.sharding import FsdpSettings, shard
+        from tether.sharding import FsdpSettings, shard
 
         model = shard(build(case, paths[case]), FsdpSettings(), torch.device("cpu"))
         if layout.rank == 0:

@@ -165,3 +165,23 @@ def transformers_model(model: nn.Module) -> nn.Module:
     model = getattr(model, "module", model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
+    """A causal LM from a local directory in ``dtype``, dropout off; a directory that is not one (an encoder, a
+    classifier, missing or corrupt weights) is a one-line error."""
+    from transformers import AutoModelForCausalLM
+
+    from tether.errors import TetherError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code)
+    except ValueError as e:  # e.g. an encoder or a sequence-classification checkpoint
+        if "Unrecognized configuration class" in str(e) or "Unrecognized model" in str(e):
+            raise TetherError(f"{path}: not a causal language model ({str(e).splitlines()[0][:200]})") from None
+        raise load_failed(path, "model", e) from None
+    except load_errors() as e:  # missing or corrupt weights, a config.json that is not JSON
+        raise load_failed(path, "model", e) from None
+    disable_dropout(model)
+    return model

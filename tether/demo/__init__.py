@@ -6,6 +6,6 @@ policy and labels its answers with the gold rule to make the reward model's pref
 ``pipeline`` runs the whole story (``tether demo``), ``side_by_side`` its two PPO runs at once; ``steps`` is the step task (running sums, every
 step checkable by a rule) for process reward models (A9, ``bench/prm_best_of_n.py``).
 
-May import: every room below it (``tether.core``, the shared modules, ``tether.rm``, ``tether.ppo``,
-``tether.diagnostics``): the demo is a user of the library, the top stage.
+May import: every room below it (``tether.core``, the shared modules, ``tether.rm``, ``tether.rollout``,
+``tether.ppo``, ``tether.diagnostics``): the demo is a user of the library, the top stage.
 """

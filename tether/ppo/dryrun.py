@@ -81,7 +81,7 @@ def run_plan_config(cfg, gpu_memory_gb: float) -> PlanConfig:
     """The planner's inputs for this run: one process = one device, ``WORLD_SIZE`` processes (of which the last
     ``--rollout-processes`` only generate: the trainers are the others), DDP (ZeRO-0), or ZeRO-3 when the launch
     config asks for FSDP2 (its full shard of weights, gradients and Adam state)."""
-    from tether.ppo.sharding import fsdp_settings
+    from tether.sharding import fsdp_settings
 
     return PlanConfig(model=str(resolve_model_path(cfg.model.policy, what="policy")), dtype=cfg.model.dtype,
                       batch_size=cfg.rows_per_step, prompt_length=cfg.data.max_prompt_length,

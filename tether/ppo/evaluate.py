@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from tether.core.kl import kl_penalty
+from tether.ppo.forward import forward_response
 from tether.ppo.prompts import collate_fields
-from tether.ppo.rollout import forward_response
-from tether.ppo.sharding import gathered
 from tether.ppo.sources import call_rule, score_responses
 from tether.ppo.step import rollout_batch
+from tether.sharding import gathered
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 
 from tether.checkpoint import atomic_dir, check_finite, save_pretrained
 from tether.hf import DTYPES
-from tether.ppo.sharding import full_model_state
+from tether.sharding import full_model_state
 
 
 def export_policy(run, run_dir: Path, lora: str = "merged", dtype: str = "fp32") -> Path | None:
@@ -69,7 +69,7 @@ def merged_lora_copy(model, state: dict | None):
         return copy.deepcopy(model).merge_and_unload()
     from peft import get_peft_model
 
-    from tether.ppo.models import load_causal_lm
+    from tether.hf import load_causal_lm
 
     config = copy.deepcopy(model.peft_config["default"])
     dtype = next(v.dtype for k, v in state.items() if "lora_" not in k and v.is_floating_point())

@@ -12,8 +12,8 @@ import torch
 from tether.core.group import group_spread
 from tether.core.stats import repetition_counts
 from tether.ppo.perf import PhaseTimer, padding_fraction, step_flops
-from tether.ppo.records import Rollout
-from tether.ppo.weights import SyncSeconds
+from tether.rollout.records import Rollout
+from tether.rollout.weights import SyncSeconds
 
 # The scoring phase's parts (C2); perf/seconds_score is their sum.
 SCORE_PHASES = ("logprobs_old", "reference", "values", "reward")

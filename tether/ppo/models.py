@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from tether.hf import (
     DTYPES,
     apply_lora,
     disable_dropout,
+    load_causal_lm,
     load_errors,
     load_failed,
     load_tokenizer,
@@ -33,48 +33,6 @@ from tether.hf import (
     upcast_trainable,
 )
 from tether.presets import resolve_model_path
-
-
-def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
-                                                     trust_remote_code=trust_remote_code)
-    except ValueError as e:  # e.g. an encoder or a sequence-classification checkpoint
-        if "Unrecognized configuration class" in str(e) or "Unrecognized model" in str(e):
-            raise TetherError(f"{path}: not a causal language model ({str(e).splitlines()[0][:200]})") from None
-        raise load_failed(path, "model", e) from None
-    except load_errors() as e:  # missing or corrupt weights, a config.json that is not JSON
-        raise load_failed(path, "model", e) from None
-    disable_dropout(model)
-    return model
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How the run computes (C5): ``dtype`` is ``--model-dtype``; bf16/fp16 forwards run under
-    ``torch.autocast`` (matmuls in ``dtype``; the residual stream, norms and everything autocast leaves alone
-    in the parameters' fp32), fp32 runs with autocast off. fp16 also needs a loss scaler: gradients below
-    fp16's smallest normal (6e-5) would flush to 0, so the loss is multiplied by a scale S before backward,
-    gradients divided by S before clipping, and a step with inf/NaN gradients is skipped while S halves."""
-
-    dtype: torch.dtype
-    device_type: str
-
-    @property
-    def mixed(self) -> bool:
-        return self.dtype != torch.float32
-
-    def autocast(self):
-        """The context every policy, reference and critic forward runs in (a no-op for fp32)."""
-        if not self.mixed:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
-
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        """Enabled for fp16 only; disabled, its ``scale``/``unscale_``/``step``/``update`` are pass-throughs."""
-        return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
 
 
 def autocast_cast_parameters(model: nn.Module) -> set[int]:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 import torch
 from torch import nn
 
-from tether.ppo.layout import Link, launch_layout, trainers_world
-from tether.ppo.sharding import FsdpSettings, fsdp_settings, set_gradient_sync
+from tether.rollout.layout import Link, launch_layout, trainers_world
+from tether.sharding import FsdpSettings, fsdp_settings, set_gradient_sync
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -32,8 +32,8 @@ class Processes:
     device: torch.device
     world_size: int
     rank: int
-    fsdp: FsdpSettings | None = None  # the launch config asked for FSDP2 (tether.ppo.sharding)
-    link: Link | None = None  # disaggregated layout: the groups to the rollout processes (tether.ppo.layout)
+    fsdp: FsdpSettings | None = None  # the launch config asked for FSDP2 (tether.sharding)
+    link: Link | None = None  # disaggregated layout: the groups to the rollout processes (tether.rollout.layout)
     closing: list[Callable[[], None]] = field(default_factory=list)  # run by close() while the group still exists
 
     @property

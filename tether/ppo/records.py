@@ -1,7 +1,7 @@
 """The typed records of one PPO step, in the order the step makes them (STYLE habit 4).
 
-- :class:`Rollout` — what generation made: prompt and response token ids, their masks, how each response
-  ended. Built complete by :func:`tether.ppo.rollout.generate`.
+- :class:`~tether.rollout.records.Rollout` — what generation made (the rollout layer's record): prompt and
+  response token ids, their masks, how each response ended.
 - :class:`Experience` — what scoring added to a rollout: old and reference log-probs, old values, scores,
   per-token KL and rewards, advantages and returns. Built complete once, after GAE and whitening, and
   frozen for the whole epoch loop (B7): nothing is filled in later.
@@ -16,50 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-
-def _select(record, index: torch.Tensor):
-    """The rows ``index`` of every tensor field of ``record`` (nested records too), as a new record."""
-    def pick(v):
-        if isinstance(v, torch.Tensor):
-            return v[index]
-        return v.select(index) if hasattr(v, "select") else v
-
-    return type(record)(**{f.name: pick(getattr(record, f.name)) for f in fields(record)})
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """What generation made for one batch of prompts."""
-
-    query: torch.Tensor            # (B, P) prompt token ids, left-padded
-    query_mask: torch.Tensor       # (B, P) 1 on prompt tokens
-    response: torch.Tensor         # (B, T) sampled token ids, pad after the first EOS
-    response_mask: torch.Tensor    # (B, T) 1 up to and including the first EOS
-    ended_with_eos: torch.Tensor   # (B,) bool: False = cut by max_new_tokens (truncated)
-    eos_ids: tuple[int, ...] = ()  # the token ids that end a response
-    min_new_tokens: int = 0        # EOS was kept out of the first min_new_tokens samples (scored so too, B1)
-    logprobs_sampler: torch.Tensor | None = None  # (B, T) what an engine with its own weights reported; never trained on
-
-    def __len__(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(dim=1)  # (B,) response tokens up to and including EOS
-
-    def select(self, index: torch.Tensor) -> "Rollout":
-        return _select(self, index)
-
-    def trimmed(self) -> "Rollout":
-        """The same rows without the columns that are padding in every row: the prompt's leading columns
-        (left padding) and the response's trailing ones. Positions come from the attention mask, so every
-        forward computes the same values on fewer columns."""
-        first = int(self.query_mask.any(dim=0).float().argmax())  # (P,) -> first column with a token
-        width = int(self.lengths.max()) if len(self) else 0
-        sampler = None if self.logprobs_sampler is None else self.logprobs_sampler[:, :width]
-        return replace(self, query=self.query[:, first:], query_mask=self.query_mask[:, first:],
-                       response=self.response[:, :width], response_mask=self.response_mask[:, :width],
-                       logprobs_sampler=sampler)
+from tether.rollout.records import Rollout, select_rows
 
 
 @dataclass(frozen=True)
@@ -90,7 +47,7 @@ class Experience:
         return mask if self.valid is None else mask * self.valid[:, None].to(mask.dtype)
 
     def select(self, index: torch.Tensor) -> "Experience":
-        return _select(self, index)
+        return select_rows(self, index)
 
     def trimmed(self) -> "Experience":
         """:meth:`Rollout.trimmed` for the rollout and every (B, T) field (the padding columns are all zero

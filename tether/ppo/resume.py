@@ -13,7 +13,7 @@ import torch
 
 from tether.checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tether.errors import TetherError
-from tether.ppo.sharding import (
+from tether.sharding import (
     full_model_state,
     full_optimizer_state,
     load_full_optimizer_state,

@@ -26,11 +26,9 @@ from torch import nn
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, load_tokenizer
-from tether.ppo.engines import Engine, make_engine
 from tether.ppo.inputs import GivenInputs
 from tether.ppo.models import (
     Policy,
-    Precision,
     ValueHead,
     load_critic,
     load_policy,
@@ -39,9 +37,11 @@ from tether.ppo.models import (
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
 from tether.ppo.prompts import PromptStream, load_prompts
-from tether.ppo.rollout import encode_prompts
-from tether.ppo.sharding import FsdpSettings, shard
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
+from tether.precision import Precision
+from tether.rollout.engines import Engine, make_engine
+from tether.rollout.sampling import encode_prompts
+from tether.sharding import FsdpSettings, shard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -248,7 +248,7 @@ def ddp_models(processes: Processes, policy: Policy, critic: nn.Module, tokenize
 
 def sharded_models(processes: Processes, policy: Policy, critic: nn.Module, tokenizer,
                    use_chat_template: bool, cfg, precision: Precision) -> Models:
-    """Policy and critic sharded with FSDP2 (tether.ppo.sharding), in place; the reference stays whole."""
+    """Policy and critic sharded with FSDP2 (tether.sharding), in place; the reference stays whole."""
     shard(policy.model, processes.fsdp, processes.device).train()
     if critic is not None:
         shard(critic, processes.fsdp, processes.device).train()

@@ -22,6 +22,7 @@ import torch
 from tether.core.advantages import gae, shaped_rewards, whiten
 from tether.core.group import critic_free_advantages
 from tether.core.kl import kl_penalty
+from tether.ppo.forward import critic_values, forward_response
 from tether.ppo.metrics import (
     global_masked_mean,
     group_metrics,
@@ -34,10 +35,11 @@ from tether.ppo.metrics import (
 )
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.prompts import collate_fields
-from tether.ppo.records import Experience, Rollout
-from tether.ppo.rollout import critic_values, encode_prompts, forward_response
+from tether.ppo.records import Experience
 from tether.ppo.sources import RewardScores, postprocess_scores, score_rollout
 from tether.ppo.update import ppo_epochs
+from tether.rollout.records import Rollout
+from tether.rollout.sampling import encode_prompts
 
 
 def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[Rollout, list[str]]:

@@ -27,11 +27,11 @@ from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
 from tether.ppo.export import export_policy
 from tether.ppo.inputs import detached, resolve_inputs
-from tether.ppo.layout import launch_layout
 from tether.ppo.resume import check_same_config, checkpoint, checkpoint_due, load_weights, restore, start_in_place
 from tether.ppo.runlog import RunLog
-from tether.ppo.rollout_process import serve
 from tether.ppo.step import ppo_step
+from tether.rollout.layout import launch_layout
+from tether.rollout.server import serve
 
 ALARM = "health alarm"
 

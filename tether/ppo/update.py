@@ -16,9 +16,9 @@ from tether.core.advantages import masked_mean
 from tether.core.group import group_permutation
 from tether.core.kl import kl_penalty
 from tether.core.losses import ppo_policy_loss, ppo_value_loss
+from tether.ppo.forward import critic_values, forward_response
 from tether.ppo.records import Experience
-from tether.ppo.rollout import critic_values, forward_response
-from tether.ppo.sharding import grad_norm_value
+from tether.sharding import grad_norm_value
 
 
 def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:

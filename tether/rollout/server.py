@@ -2,9 +2,9 @@
 
 It loads the policy's architecture and tokenizer (the weights arrive from the trainers before the first rollout),
 starts its engine (``--engine``: vLLM, or transformers where vLLM is absent), and then does what trainer 0 tells
-it, until STOP: take the weights (:func:`tether.ppo.remote.receive_weights`), or sample its trainers' prompts in
+it, until STOP: take the weights (:func:`tether.rollout.remote.receive_weights`), or sample its trainers' prompts in
 one batch and send each its rows back. It writes nothing to the run directory. A trainer that died or stopped
-answering ends it with one line (:meth:`tether.ppo.layout.Link.guard`).
+answering ends it with one line (:meth:`tether.rollout.layout.Link.guard`).
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ import torch
 
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, transformers_model
-from tether.ppo.layout import Layout, Link
-from tether.ppo.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_weights
+from tether.rollout.layout import Layout, Link
+from tether.rollout.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_weights
 
 
 def make_rollout_engine(cfg, layout: Layout, device: torch.device):
     """This rollout process's engine over the policy (loaded from ``--policy``; LoRA never: merged weights arrive)."""
     from tether.hf import load_tokenizer
-    from tether.ppo.engines import TransformersEngine
-    from tether.ppo.models import load_causal_lm
+    from tether.rollout.engines import TransformersEngine
+    from tether.hf import load_causal_lm
     from tether.presets import resolve_model_path
 
     path = resolve_model_path(cfg.model.policy, what="policy")
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device).eval()
     if cfg.generation.engine == "vllm":
-        from tether.ppo.vllm_engine import VLLMEngine
+        from tether.rollout.vllm_engine import VLLMEngine
 
         max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
         max_model_len = min(max_model_len, context_positions(transformers_model(model).config) or max_model_len)
@@ -77,8 +77,8 @@ def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
 
 def serve(cfg) -> Path:
     """Run this process as a rollout process until trainer 0 says STOP; returns the run directory."""
-    from tether.ppo.layout import launch_layout
-    from tether.ppo.models import Precision
+    from tether.rollout.layout import launch_layout
+    from tether.precision import Precision
 
     layout = launch_layout(cfg)
     torch.manual_seed(cfg.seed + layout.rank)
