@@ -268,7 +268,8 @@ def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
     run = train(cfg)
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1]
-    assert set(rows[0]) == {"step", "eval/reward", "eval/n", "eval/kl_sequence", "eval/distinct_responses"}
+    assert set(rows[0]) == {"step", "eval/reward", "eval/n", "eval/kl_sequence", "eval/distinct_responses",
+                            "eval/response_length"}  # _rows leaves perf/ out
     assert rows[0]["eval/kl_sequence"] == 0.0  # nothing trained yet: policy == reference
     fresh, samples = evaluate(setup(cfg), cfg, 0)  # the same initial policy, evaluated on its own
     assert rows[0]["eval/reward"] == pytest.approx(fresh["eval/reward"], abs=1e-6)
@@ -276,6 +277,7 @@ def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
     # the reward by hand from the texts (tiny_config's rule: the share of "7" among the response's characters)
     by_hand = [r.count("7") / len(r) if r else 0.0 for r in (s["response"] for s in samples)]
     assert rows[0]["eval/reward"] == pytest.approx(sum(by_hand) / 8, abs=1e-6)
+    assert rows[0]["eval/response_length"] == pytest.approx(sum(s["length"] for s in samples) / 8)
     assert (run / "samples" / "step_0.jsonl").is_file() and (run / "samples" / "step_1.jsonl").is_file()
 
 

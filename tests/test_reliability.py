@@ -143,8 +143,8 @@ def test_a_nan_logit_skips_that_update_only(files, tmp_path, monkeypatch):
     real = update_module.forward_response
     calls = {"n": 0}
 
-    def once_nan(model, batch, temperature, need_hidden=False, entropy_grad=True):
-        logprobs, entropy, hidden = real(model, batch, temperature, need_hidden, entropy_grad)
+    def once_nan(model, batch, temperature, **kwargs):
+        logprobs, entropy, hidden = real(model, batch, temperature, **kwargs)
         if torch.is_grad_enabled():
             calls["n"] += 1
             if calls["n"] == 1:  # the first training forward: NaN log-probs, as from a NaN logit
@@ -163,8 +163,8 @@ def test_a_nan_logit_skips_that_update_only(files, tmp_path, monkeypatch):
 def test_k_skipped_steps_stop_the_run_and_keep_the_last_checkpoint(files, tmp_path, monkeypatch):
     real = update_module.forward_response
 
-    def nan_after_step_1(model, batch, temperature, need_hidden=False, entropy_grad=True):
-        logprobs, entropy, hidden = real(model, batch, temperature, need_hidden, entropy_grad)
+    def nan_after_step_1(model, batch, temperature, **kwargs):
+        logprobs, entropy, hidden = real(model, batch, temperature, **kwargs)
         if torch.is_grad_enabled() and state["broken"]:
             logprobs = logprobs * float("nan")
         return logprobs, entropy, hidden
@@ -297,23 +297,33 @@ def poisoned_rows(input_ids: torch.Tensor, token: int) -> torch.Tensor:
     return (input_ids == token).any(dim=1)
 
 
-def test_a_row_with_a_nan_logit_is_dropped_and_every_update_still_applies(files, tmp_path):
+@pytest.mark.parametrize("path", ["logits", "own_head", "packed"])
+def test_a_row_with_a_nan_logit_is_dropped_and_every_update_still_applies(files, tmp_path, path):
     """B16 at the shape that shows it: a NaN logit in the rows holding a '9' recurs in the training forward, where
     masking multiplies (0·NaN = NaN). Before the fix, with one minibatch per step, every update was skipped and
-    the run stopped at step 3; the dropped rows must leave the training forwards, not only the loss weights."""
+    the run stopped at step 3; the dropped rows must leave the training forwards, not only the loss weights.
+    On each forward path: the model's logits, the output embedding on the last hidden states (the NaN planted
+    there), and packed rows (where a NaN activation can reach the other units of its packed row through attention —
+    0·NaN in the weighted sum — so they are dropped too: safe, and said in docs/reliability.md)."""
     import unittest.mock
 
     from transformers import AutoTokenizer
 
     import tether.ppo.setup as setup_module
 
-    cfg = tiny_config(tmp_path, *files, steps=4, ppo__mini_batches=1, health__max_skipped_steps=3)
+    from tether.ppo.forward import ForwardOptions
+
+    cfg = tiny_config(tmp_path, *files, steps=4, ppo__mini_batches=1, health__max_skipped_steps=3,
+                      ppo__packing=path == "packed")
     nine = AutoTokenizer.from_pretrained(files[0]).convert_tokens_to_ids("9")
 
     real_setup = setup_module.setup
 
     def setup_with_a_nan_logit(cfg, *given):
         run = real_setup(cfg, *given)
+        if path == "logits":
+            run.models.forward = ForwardOptions()
+        assert run.models.forward.own_head == (path != "logits")
 
         def nan_logit(module, args, kwargs, output):
             if kwargs.get("use_cache") is False:  # the scoring and training forwards, not generation
@@ -321,6 +331,10 @@ def test_a_row_with_a_nan_logit_is_dropped_and_every_update_still_applies(files,
                 logits = output.logits.clone()
                 logits[bad, 0, 0] = float("nan")  # position 0 predicts the first response token: always valid
                 output["logits"] = logits
+                if output.get("hidden_states") is not None:  # the output embedding's input: every position
+                    last = output.hidden_states[-1].clone()
+                    last[bad] = float("nan")
+                    output["hidden_states"] = (*output.hidden_states[:-1], last)
             return output
 
         run.models.unwrapped_policy.register_forward_hook(nan_logit, with_kwargs=True)

@@ -237,8 +237,11 @@ def saved_for_backward_bytes(fn) -> int:
 def test_no_entropy_graph_without_an_entropy_bonus(tmp_path):
     """c2 = 0 (the default): the loss has no entropy term, so the training forward must not build the entropy's
     graph — with a 32k vocabulary its (B, T, V) softmax is the largest tensor saved for backward (the review
-    measured −42% saved memory and a 26% faster train phase without it). With c2 > 0 the term trains."""
+    measured −42% saved memory and a 26% faster train phase without it). With c2 > 0 the term trains. On the
+    output-embedding path (the default wherever it is checked equal) no (B, T, V) tensor is saved at all, with or
+    without the bonus: each chunk's logits are recomputed in backward."""
     from tether.demo.task import build_policy, build_tokenizer
+    from tether.ppo.forward import ForwardOptions
     from tether.ppo.records import Experience
     from tether.ppo.setup import setup
     from tether.ppo.update import minibatch_loss
@@ -258,12 +261,27 @@ def test_no_entropy_graph_without_an_entropy_bonus(tmp_path):
     experience = Experience(rollout=rollout, logprobs_old=zeros - 10.0, logprobs_ref=zeros - 10.0, values_old=zeros,
                             last_values=torch.zeros(B), scores=torch.zeros(B), kl=zeros, rewards=zeros,
                             advantages=torch.randn(B, T, generator=g), returns=zeros)
-    saved = {}
+    saved, grads = {}, {}
     for coef in (0.0, 0.01):
         cfg = tiny_config(tmp_path / f"c{coef}", policy_dir, prompts, ppo__entropy_coef=coef)
         run = setup(cfg)
-        saved[coef] = saved_for_backward_bytes(
-            lambda: minibatch_loss(run, cfg, experience, critic_only=False, weight=torch.tensor(1.0)))
+        assert run.models.forward.own_head  # checked equal to the model's logits at set-up
+        for path in ("logits", "own_head"):
+            if path == "logits":
+                run.models.forward = ForwardOptions()
+            else:
+                run.models.forward = ForwardOptions(own_head=True)
+            run.optim.policy_optimizer.zero_grad(set_to_none=True)
+            saved[coef, path] = saved_for_backward_bytes(
+                lambda: minibatch_loss(run, cfg, experience, critic_only=False, weight=torch.tensor(1.0)))
+            grads[coef, path] = torch.cat([q.grad.flatten() for q in run.optim.policy_params if q.grad is not None])
     logits_bytes = B * (T + 1) * 32_000 * 4
-    assert saved[0.01] - saved[0.0] >= logits_bytes, saved  # the softmax (and its product with the logits)
-    assert saved[0.0] < 0.7 * saved[0.01], saved
+    assert saved[0.01, "logits"] - saved[0.0, "logits"] >= logits_bytes, saved  # the softmax (and its product)
+    assert saved[0.0, "logits"] < 0.7 * saved[0.01, "logits"], saved
+    # own head: at least one (B, T, V) fp32 tensor fewer than the logits path even without the bonus, and the bonus
+    # adds no vocabulary-sized tensor (what both save alike is the (V, H) embedding matrix the head multiplies by)
+    assert saved[0.0, "logits"] - saved[0.0, "own_head"] >= B * T * 32_000 * 4, saved
+    assert saved[0.01, "own_head"] - saved[0.0, "own_head"] < B * T * 32_000 * 4 / 10, saved
+    for coef in (0.0, 0.01):  # the same gradients either way, and the bonus changes them
+        torch.testing.assert_close(grads[coef, "own_head"], grads[coef, "logits"], atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(grads[0.01, "own_head"], grads[0.0, "own_head"])

@@ -297,6 +297,7 @@ def demo_ppo_config(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path,
     # answers, so the advantages are far less noisy than with a fresh value head (measured).
     cfg.critic.kind, cfg.critic.model, cfg.critic.warmup_steps = "separate", str(out / "rm"), 3
     cfg.eval.every, cfg.eval.n, cfg.eval.samples = settings.eval_every, settings.eval_n, settings.eval_n
+    cfg.eval.kl_n = 0  # every held-out answer's KL: the β = 0 exhibit picks the highest
     # a step-0 evaluation of the SFT policy: the baseline that the curves and the doctor's gold band start from
     cfg.eval.at_start = True
     if advantage != "gae":
@@ -325,7 +326,7 @@ def beta0_exhibits(run_dir: Path, k: int = 3) -> list[dict]:
     if not files:
         return []
     samples = [json.loads(line) for line in files[-1].read_text().splitlines()]
-    return sorted(samples, key=lambda s: -s["kl"])[:k]
+    return sorted((s for s in samples if s.get("kl") is not None), key=lambda s: -s["kl"])[:k]
 
 
 def summary_html(results: dict, exhibits: list[dict]) -> str:

@@ -153,6 +153,10 @@ class PPOConfig:
     whiten_advantages: bool = option(True, "z-score GAE's advantages over the batch's valid tokens (B8); the "
                                      "critic-free estimators do what theirs prescribes (reinforce_pp always, the "
                                      "group baselines never)")
+    packing: bool = option(False, "pack every policy and reference forward: each distinct prompt once, followed by "
+                           "its K responses' tokens, with a block attention mask and positions restarting per "
+                           "response (no prompt copies, no padding; the same log-probs to float rounding, checked on "
+                           "the model at start-up); pays most with K > 1 and long prompts", flag="--packing")
     trim_padding: bool = option(True, "train on micro-batches of similar lengths with their all-padding columns "
                                 "cut (same loss and gradients, less compute)")
     early_stop: bool = option(True, "stop the epoch loop after an epoch whose mean approx KL to pi_old > "
@@ -201,6 +205,9 @@ class EvalConfig:
     at_start: bool = option(False, "also evaluate before the first step: a step-0 row in metrics.jsonl, the "
                             "baseline the trend starts from", flag="--eval-at-start")
     samples: int = option(16, "responses written to samples/step_K.jsonl", low=0)
+    kl_n: int = option(32, "held-out responses whose KL to the reference is computed (eval/kl_sequence, each sample's "
+                       "kl): the first N, the same problems at every evaluation, the written samples among them; "
+                       "a policy and a reference forward over each; 0 = all", low=0, flag="--eval-kl-n")
 
 
 @dataclass

@@ -3,6 +3,8 @@ each response to the reference, and sample responses for ``samples/step_K.jsonl`
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tether.core.kl import kl_penalty
@@ -24,27 +26,31 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
     model = m.unwrapped_policy
     # Evaluation follows a step's update: an engine with its own weights must take them first (C3).
     m.engine.sync_weights(model)
+    started = time.perf_counter()
     with gathered(model, m.fsdp):  # a sharded policy gathered once for all the chunks
-        return _evaluate_rows(run, cfg, rows, model)
+        metrics, samples = _evaluate_rows(run, cfg, rows, model)
+    return {**metrics, "perf/seconds_eval": time.perf_counter() - started}, samples
 
 
 def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]:
     m, d = run.models, run.data
-    samples, scores_all, correct_all = [], [], []
-    for start in range(0, len(rows), cfg.rows_per_step):  # a rollout's rows at a time (K samples of each prompt)
-        chunk = rows[start:start + cfg.rows_per_step]
+    # A local vLLM engine takes every held-out prompt at once (it schedules its own batches); the others a rollout's
+    # rows at a time (K samples of each prompt), their memory being sized for that.
+    size = len(rows) if m.engine.name == "vllm" else cfg.rows_per_step
+    kl_rows = len(rows) if cfg.eval.kl_n == 0 else min(cfg.eval.kl_n, len(rows))
+    samples, scores_all, correct_all, kls = [], [], [], []
+    for start in range(0, len(rows), size):
+        chunk = rows[start:start + size]
         prompts, fields = [r["prompt"] for r in chunk], collate_fields(chunk)
         rollout, responses = rollout_batch(m, cfg, chunk, greedy=cfg.eval.greedy)
-        with m.precision.autocast():  # C5: as the step scores them
-            logprobs, _, _ = forward_response(model, rollout, cfg.generation.temperature)
-            with m.policy.reference_model(model) as reference:
-                logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
-        kl = (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator) * rollout.response_mask).sum(dim=1)
+        kl = sequence_kl(run, cfg, model, rollout, max(0, min(kl_rows - start, len(chunk))))
+        kls += kl
         # Rules get the EOS flags: the math rules never credit a reply cut by max_new_tokens.
         scores = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos)
         correct = call_rule(d.gold, prompts, responses, fields, rollout.ended_with_eos) if d.gold is not None else None
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
-            sample = {"prompt": prompt, "response": response, "score": float(scores[i]), "kl": float(kl[i]),
+            sample = {"prompt": prompt, "response": response, "score": float(scores[i]),
+                      "kl": kl[i] if i < len(kl) else None,
                       "length": int(rollout.response_mask[i].sum()), "truncated": not bool(rollout.ended_with_eos[i])}
             if correct is not None:
                 sample["correct"] = bool(correct[i] > 0.5)
@@ -55,7 +61,8 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
     scores = torch.cat(scores_all)
     scores = scores[torch.isfinite(scores)]  # rows a rule failed on or a NaN score are left out (B16)
     metrics = {"eval/reward": float(scores.mean()) if len(scores) else float("nan"), "eval/n": len(samples),
-               "eval/kl_sequence": sum(s["kl"] for s in samples) / len(samples),
+               "eval/kl_sequence": sum(kls) / len(kls) if kls else float("nan"),
+               "eval/response_length": sum(s["length"] for s in samples) / len(samples),
                "eval/distinct_responses": distinct_fraction([s["response"] for s in samples])}
     if correct_all:
         correct = (torch.cat(correct_all) > 0.5).tolist()
@@ -64,6 +71,22 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
         # evaluations problem by problem (an exact McNemar test), which an accuracy alone cannot (D1).
         metrics["eval/correct"] = "".join("1" if c else "0" for c in correct)
     return metrics, samples
+
+
+def sequence_kl(run, cfg, model, rollout, n: int) -> list[float]:
+    """Σ_t KL_t of the first ``n`` rows of ``rollout`` to the reference (``kl.estimator``), a policy and a reference
+    forward over them, a rollout's rows at a time, in the run's precision as the step scores them (C5)."""
+    m, out = run.models, []
+    for start in range(0, n, cfg.rows_per_step):
+        part = rollout.select(torch.arange(start, min(start + cfg.rows_per_step, n), device=rollout.query.device))
+        with m.precision.autocast():
+            logprobs, _, _ = forward_response(model, part, cfg.generation.temperature, need_entropy=False,
+                                              options=m.forward)
+            with m.policy.reference_model(model) as reference:
+                logprobs_ref, _, _ = forward_response(reference, part, cfg.generation.temperature,
+                                                      need_entropy=False, options=m.forward)
+        out += (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator) * part.response_mask).sum(dim=1).tolist()
+    return out
 
 
 def distinct_fraction(responses: list[str]) -> float:

@@ -11,7 +11,7 @@ import torch
 
 from tether.core.group import group_spread
 from tether.core.stats import repetition_counts
-from tether.ppo.perf import PhaseTimer, padding_fraction, step_flops
+from tether.ppo.perf import PhaseTimer, padding_fraction, prompt_shares, step_flops
 from tether.rollout.records import Rollout
 from tether.rollout.weights import SyncSeconds
 
@@ -126,10 +126,13 @@ def perf_metrics(timer: PhaseTimer, n_tokens: float, sync: SyncSeconds | None = 
             "perf/rollout_share": s["generate"] / max(seconds_step, 1e-9)}
 
 
-def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run: int, critic_only: bool) -> dict:
+def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run: int, critic_only: bool,
+                       packed: bool = False) -> dict:
     """Model FLOPs per second over the device's peak (C6): for the step, generation and training (per device:
-    all processes' FLOPs over world size), and the share of computed positions that are padding."""
-    flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only)
+    all processes' FLOPs over world size), and the share of the padded layout's positions that are padding (under
+    ``packed`` forwards none of it is computed, and a prompt shared by K rows counts once)."""
+    shares = prompt_shares(rollout.query, rollout.query_mask) if packed else None
+    flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only, shares)
     per_device = {phase: p.global_sum(f) / p.world_size for phase, f in flops.items()}
     seconds = {phase: timer.seconds.get(phase, 0.0) for phase in flops}
 

@@ -81,22 +81,32 @@ def throughput_of(models, device: torch.device, dtype: torch.dtype = torch.float
 
 
 def step_flops(t: Throughput, query_mask: torch.Tensor, lengths: torch.Tensor, epochs_run: int,
-               critic_only: bool) -> dict[str, float]:
+               critic_only: bool, prompt_share: torch.Tensor | None = None) -> dict[str, float]:
     """Model FLOPs of one step's phases on this process (``query_mask`` (B, P), ``lengths`` (B,) response
     tokens). Forwards over prompt + response compute logits only for the response (B2's ``logits_to_keep``);
     the train phase makes ``epochs_run`` passes of forward + backward (a policy forward only, no backward,
-    during critic warm-up). Reward-model forwards are not counted: they run on their own tokenizer."""
+    during critic warm-up). Reward-model forwards are not counted: they run on their own tokenizer.
+    ``prompt_share`` (B,): the share of its prompt each row's policy forwards compute — 1/n for a prompt that n
+    rows share under ``ppo.packing`` (computed once for them all); None: 1 (padded rows)."""
     prompt = query_mask.sum(dim=1).tolist()
     response = lengths.tolist()
+    share = [1.0] * len(prompt) if prompt_share is None else prompt_share.tolist()
     gen = sum(generation_flops(t.policy, p, r) for p, r in zip(prompt, response))
-    policy = sum(forward_flops(t.policy, p + r, with_head=False) + 2.0 * t.policy.head_params * r
-                 for p, r in zip(prompt, response))
+    policy = sum(forward_flops(t.policy, p * s + r, with_head=False) + 2.0 * t.policy.head_params * r
+                 for p, r, s in zip(prompt, response, share))
     if t.critic is not None:
         critic = sum(forward_flops(t.critic, p + r, with_head=False) for p, r in zip(prompt, response))
     else:
         critic = sum(2.0 * t.value_head_params * (r + 1) for r in response)
     train = epochs_run * ((policy if critic_only else train_flops(policy)) + train_flops(critic))
     return {"generate": gen, "logprobs_old": policy, "reference": policy, "values": critic, "train": train}
+
+
+def prompt_shares(query: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) 1/n for each row whose prompt (its tokens) n rows of the batch share: what a packed forward computes."""
+    keys = [tuple(q[m.bool()].tolist()) for q, m in zip(query, query_mask)]
+    counts = {k: keys.count(k) for k in set(keys)}
+    return torch.tensor([1.0 / counts[k] for k in keys])
 
 
 def padding_fraction(query_mask: torch.Tensor, response_mask: torch.Tensor) -> float:

@@ -26,6 +26,7 @@ from torch import nn
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, load_tokenizer
+from tether.ppo.forward import ForwardOptions, checked_forward_options
 from tether.ppo.inputs import GivenInputs
 from tether.ppo.models import (
     Policy,
@@ -63,6 +64,7 @@ class Models:
     engine: Engine                 # samples the rollouts (C3): --engine, over unwrapped_policy
     precision: Precision           # every policy/reference/critic forward runs in precision.autocast() (C5)
     fsdp: FsdpSettings | None = None
+    forward: ForwardOptions = ForwardOptions()  # how every policy/reference forward computes (checked at set-up)
 
     @property
     def critic_is_head(self) -> bool:
@@ -281,6 +283,12 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
         cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path), cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
     check_context(cfg, tokenizer, use_chat_template, policy.model.config, train_rows + eval_rows)
+    if processes.fsdp is not None and cfg.ppo.packing:
+        raise TetherError("ppo.packing under FSDP2: not supported (the log-probs of packed rows come through the "
+                          "output embedding, which FSDP2 holds sharded outside its own forward); use DDP")
+    # Under FSDP2 the model's own logits: its output embedding is sharded outside the model's forward.
+    forward = ForwardOptions() if processes.fsdp is not None else checked_forward_options(policy.model,
+                                                                                          cfg.ppo.packing)
     if policy.reference is not None:
         policy.reference.to(processes.device)  # frozen: a whole copy on every process, never sharded
     if processes.fsdp is not None:
@@ -289,6 +297,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     else:
         optim = make_optimisation(cfg, policy, critic, precision)
         models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg, precision)
+    models.forward = forward
     processes.closing.append(models.engine.close)
     gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),

@@ -83,11 +83,12 @@ def ppo_step(run, cfg, step: int) -> dict:
         with m.precision.autocast(), scoring_mode(m.fsdp):
             # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch.
             logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, temperature,
-                                                             need_hidden=m.critic_is_head)
+                                                             need_hidden=m.critic_is_head, options=m.forward)
             timer.split("logprobs_old")
             # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen twin.
             with m.policy.reference_model(m.policy_model) as reference:
-                logprobs_ref, _, _ = forward_response(reference, rollout, temperature)
+                logprobs_ref, _, _ = forward_response(reference, rollout, temperature, need_entropy=False,
+                                                      options=m.forward)
             timer.split("reference")
             values_all = critic_values(m.critic, rollout, hidden)  # 4. Values V(s_0) … V(s_T), (B, T+1) or None
         values_old, last_values = split_values(values_all, rollout)
@@ -170,7 +171,8 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Ex
         **response_metrics(p, rollout),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
-        **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps),
+        **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps,
+                             packed=run.models.forward.packing),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
         "health/dropped_rows": p.global_sum((~e.valid).sum().float()),

@@ -127,7 +127,7 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
         with (torch.no_grad() if critic_only else torch.enable_grad()):
             logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
                                                          need_hidden=m.critic_is_head,
-                                                         entropy_grad=entropy_coef > 0)
+                                                         need_entropy=entropy_coef > 0, options=m.forward)
         values = critic_values(m.critic, mb.rollout, hidden)  # (B, T+1), None without a critic
     loss, stats = None, {}
     if values is not None:
