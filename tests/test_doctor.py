@@ -483,3 +483,55 @@ def test_kl_explosion_prescriptions_in_place(config, in_place):
     d = diagnose(rows, run_config=config)
     assert [p["key"] for p in d.prescriptions if p["in_place"]] == in_place
     assert [p["priority"] for p in d.prescriptions] == [*range(1, 7 - len(in_place)), *[None] * len(in_place)]
+
+
+# ---------------------------------------------------------------- shortcut (a checker's blind spot)
+
+
+def test_word_f1_by_hand():
+    from tether.diagnostics.text import word_f1
+
+    assert word_f1("The answer is 7.", "The answer is 5.") == pytest.approx(2 * 3 / 8)
+    assert word_f1("a a b", "a b b") == pytest.approx(2 * 2 / 6)  # multisets: a∩ = 1, b∩ = 1
+    assert word_f1("", "") == 1.0 and word_f1("x", "") == 0.0
+
+
+def shortcut_rows(overlaps, gains) -> list[dict]:
+    """A healthy run whose evaluations after step 0 carry the given overlaps and reward gains."""
+    rows = healthy_rows()
+    evals = [r for r in rows if "eval/reward" in r]
+    for r, overlap, gain in zip(evals, overlaps, gains):
+        r["eval/reference_overlap"], r["eval/reward_gain"] = overlap, gain
+    return rows
+
+
+def test_shortcut_the_reward_rises_while_the_answers_stop_resembling_the_task():
+    """The outside task's shortcut in small: a checker credits replies that drop the task (a title repeated, a
+    closing phrase alone): the held-out reward is up, the answers' overlap with the reference's falls to 0.05 —
+    no gold band can see it (the reward is its own gold). Named at the final evaluation, with the answers."""
+    n = len([r for r in healthy_rows() if "eval/reward" in r])
+    finished = {"steps": N}
+    rows = shortcut_rows([0.7] * (n - 2) + [0.2, 0.05], [0.1 * i for i in range(1, n + 1)])
+    d = diagnose(rows, run_config=finished)
+    assert (d.failure_mode, d.cause_band, d.alarm_step) == ("shortcut", "eval_shortcut", N)
+    assert d.prescriptions[0]["action"].startswith("read the held-out answers")
+    # legitimate learning: right answers keep the reference's words ("The answer is 7." vs "... 5.": 0.75)
+    assert diagnose(shortcut_rows([0.75] * n, [0.1 * i for i in range(1, n + 1)]), run_config=finished).healthy
+    # the answers drift while the reward is not up: not judged as a shortcut (other bands see a collapse)
+    assert diagnose(shortcut_rows([0.7] * (n - 2) + [0.2, 0.05], [-0.1] * n), run_config=finished).healthy
+
+
+def test_doctor_shows_a_shortcut_with_its_answers(tmp_path):
+    from tether.diagnostics.doctor import diagnose_run
+
+    n = len([r for r in healthy_rows() if "eval/reward" in r])
+    run = write_run(tmp_path, shortcut_rows([0.7] * (n - 2) + [0.2, 0.05], [0.1 * i for i in range(1, n + 1)]),
+                    config={"steps": N})
+    (run / "samples").mkdir()
+    samples = [{"prompt": "Write a story titled Rain.", "response": "Rain", "reference": "Rain fell on the town."},
+               {"prompt": "2+2?", "response": "The answer is 4.", "reference": "The answer is 5."}]
+    (run / "samples" / f"step_{N}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    d = diagnose_run(run)
+    assert [a["response"] for a in d.evidence["answers"]] == ["Rain", "The answer is 4."]  # least alike first
+    text = format_diagnosis(d, run)
+    assert "UNHEALTHY: shortcut" in text and "reference: 'Rain fell on the town.'" in text

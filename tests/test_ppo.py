@@ -279,6 +279,15 @@ def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
     assert rows[0]["eval/reward"] == pytest.approx(sum(by_hand) / 8, abs=1e-6)
     assert rows[0]["eval/response_length"] == pytest.approx(sum(s["length"] for s in samples) / 8)
     assert (run / "samples" / "step_0.jsonl").is_file() and (run / "samples" / "step_1.jsonl").is_file()
+    # step 1 against the step-0 answers (the reference policy's): overlap and reward gain by hand from the files
+    from tether.diagnostics.text import word_f1
+
+    before, after = ([json.loads(line) for line in (run / "samples" / f"step_{s}.jsonl").read_text().splitlines()]
+                     for s in (0, 1))
+    assert [s["reference"] for s in after] == [s["response"] for s in before]
+    overlap = sum(word_f1(a["response"], b["response"]) for a, b in zip(after, before)) / 8
+    assert rows[1]["eval/reference_overlap"] == pytest.approx(overlap)
+    assert rows[1]["eval/reward_gain"] == pytest.approx(rows[1]["eval/reward"] - rows[0]["eval/reward"])
 
 
 def test_distinct_responses_by_hand():

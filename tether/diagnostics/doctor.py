@@ -27,7 +27,8 @@ import yaml
 from tether.config import config_from_dict
 from tether.diagnostics.gold import describe, with_problem_results
 from tether.diagnostics.groups import flat_groups_prescriptions
-from tether.diagnostics.health import BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, Alert, HealthConfig, HealthMonitor
+from tether.diagnostics.health import (BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, Alert, HealthConfig,
+                                       HealthMonitor)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
 from tether.errors import TetherError
 
@@ -216,10 +217,34 @@ def _gold_summary(monitor: HealthMonitor) -> tuple[list[dict], list[str]]:
 
 
 def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Diagnosis:
-    """Load a run directory and diagnose it, with the health settings of its config unless given."""
+    """Load a run directory and diagnose it, with the health settings of its config unless given. A shortcut's
+    evidence carries held-out answers beside the reference's, from the evaluation where it alarmed."""
     run_config = load_run_config(run_dir)
     rows = with_problem_results(load_metrics(run_dir), run_dir)
-    return diagnose(rows, config or health_config_from_run(run_config), run_config=run_config)
+    d = diagnose(rows, config or health_config_from_run(run_config), run_config=run_config)
+    if d.failure_mode == SHORTCUT:
+        d.evidence["answers"] = answers_beside_reference(run_dir, d.alarm_step)
+    return d
+
+
+def answers_beside_reference(run_dir: str | Path, step: int, n: int = 3) -> list[dict]:
+    """Up to ``n`` held-out samples of the evaluation at ``step`` (samples/step_K.jsonl) that carry the reference
+    policy's answer, least alike first (word-bag F1)."""
+    path = Path(run_dir) / "samples" / f"step_{step}.jsonl"
+    if not path.is_file():
+        return []
+    samples = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    paired = [s for s in samples if isinstance(s.get("reference"), str)]
+    from tether.diagnostics.text import word_f1
+
+    return sorted(({"prompt": s.get("prompt"), "response": s["response"], "reference": s["reference"],
+                    "overlap": word_f1(s["response"], s["reference"])} for s in paired),
+                  key=lambda s: s["overlap"])[:n]
+
+
+def _short(text: str, n: int = 120) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n - 1] + "…"
 
 
 def _fmt(x) -> str:
@@ -280,6 +305,9 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
                  f"  meaning: {e['meaning']}",
                  "  evidence: " + ", ".join(f"step {p['step']}: {_fmt(p['measure'])} {p['state']}"
                                             for p in e["series"])]
+        for a in e.get("answers", []):  # a shortcut is read in the answers
+            lines.append(f"  answer (overlap {a['overlap']:.2f}): {_short(a['response'])!r}  |  reference: "
+                         f"{_short(a['reference'])!r}")
         if e["measure"] in GOLD_MEASURES:  # the paired comparisons at the alarm and at the last evaluation
             lines += ["  paired: " + describe(p) for p in d.gold if p["step"] in (d.alarm_step, d.gold[-1]["step"])]
         before = [c for c in e["chain"] if c["onset_step"] < d.first_step]

@@ -10,9 +10,8 @@ helps the first two: K samples hold a success with probability 1 − (1 − p)^K
 
 from __future__ import annotations
 
-from typing import Any, Callable
 
-Prescription = tuple[str, "str | None", Callable[[Any], "str | None"]]  # action, config key, suggestion
+Prescription = tuple  # (action, config key, suggestion(current)[, done(current)]), as tether.diagnostics.prescriptions.Rx
 
 
 def _double(current) -> str | None:
@@ -32,6 +31,10 @@ FIRST: dict[str, Prescription] = {
                  "or scores clipped flat by reward.clip)", "reward.sources", _none),
 }
 THEN: list[Prescription] = [
+    ("drop the groups with no spread and draw more prompts in their place (DAPO's dynamic sampling, B18)",
+     "difficulty.filter_groups", lambda current: "true", lambda current: current is True),
+    ("a prompt curriculum: prompts every sample of which passed (or failed) in their recent visits drawn less "
+     "often (B18)", "difficulty.curriculum", lambda current: "true", lambda current: current is True),
     ("more samples per prompt: K samples hold a success (or a failure) with probability 1 − (1 − p)^K",
      "samples_per_prompt", _double),
     # no key: reward.process is how a process reward model's scores become rewards, and is set (per_step) whether

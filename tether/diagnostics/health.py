@@ -31,6 +31,7 @@ REWARD_HACKING = "reward hacking"
 COLLAPSE = "collapse"
 NOT_LEARNING = "not learning"
 NO_SIGNAL = "no signal in the groups"
+SHORTCUT = "shortcut"
 
 # What a band's measure is:
 #   value   the metric itself
@@ -166,6 +167,16 @@ BANDS: tuple[Band, ...] = (
     Band("eval_distinct", "eval/distinct_responses", "first", (0.5, None), 0.25, None, MODE_COLLAPSE,
          "share of distinct held-out responses against the first evaluation; collapse = the same answer to "
          "different prompts", final_confirms=True),
+    # A reward that is its own gold (a checker) is blind to a policy that satisfies the check and drops the task (a
+    # title repeated in place of the content, a required closing phrase as the whole answer): no gold band sees it.
+    # What does: the held-out answers no longer resemble the reference policy's answers to the same prompts while
+    # the held-out reward is up. Word-bag F1 with the step-0 answers: 1 at step 0; an arithmetic answer that turns
+    # right keeps its words ("The answer is 7." vs "... 5.": 0.75).
+    Band("eval_shortcut", "eval/reference_overlap", "value", (0.3, None), 0.15, None, SHORTCUT,
+         "word-bag F1 of the held-out answers with the reference policy's (step-0) answers to the same prompts, "
+         "judged while the held-out reward is above its step-0 value: low = the reward rose while the answers "
+         "stopped resembling the task's (a check satisfied, the task dropped: read the answers)",
+         only_if=("eval/reward_gain", 1e-9, None), final_confirms=True, reported_by_some_runs=True),
     # K >= 2 samples per prompt (B17): a group scored all alike gives every group baseline a zero advantage; for a 0/1
     # reward solved with probability p their share is p^K + (1 − p)^K (K = 4: 0.13 at p = 0.5, 0.82 at p = 0.05).
     Band("no_spread", "group/no_spread_fraction", "value", (None, 0.5), None, 0.8, NO_SIGNAL,

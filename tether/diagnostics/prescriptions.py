@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from tether.diagnostics.groups import flat_groups_prescriptions
 from tether.diagnostics.health import (COLLAPSE, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL, NOT_LEARNING, RATIO,
-                                       REWARD_HACKING, VALUE_COLLAPSE)
+                                       REWARD_HACKING, SHORTCUT, VALUE_COLLAPSE)
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -113,4 +113,14 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
     ],
     # B17: the first line depends on which way the groups are flat (tether.diagnostics.groups); this is the usual one
     NO_SIGNAL: [Rx(*rx) for rx in flat_groups_prescriptions([])],
+    SHORTCUT: [
+        Rx("read the held-out answers beside the reference policy's (samples/step_K.jsonl: 'response' and "
+           "'reference'; tether report): a reward that is its own check cannot tell a solved task from a satisfied "
+           "check", None),
+        Rx("reward the task as well as its check: a reward model trained on pairs of the policy's own answers "
+           "labelled by the check (tether train-rm), or a rule that also scores the content", "reward.sources"),
+        Rx("keep the policy nearer the reference: raise β", "kl.coef", _beta),
+        Rx("roll back to the last checkpoint before the overlap fell", "health.rollback", lambda c: "true",
+           lambda current: current is True),
+    ],
 }

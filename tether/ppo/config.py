@@ -139,6 +139,25 @@ class AdvantageConfig:
 
 
 @dataclass
+class DifficultyConfig:
+    filter_groups: bool = option(False, "dynamic sampling (DAPO; B18): a group whose kept scores have no spread (all "
+                                 "equal: every group baseline gives it advantage 0) is dropped and more prompts are "
+                                 "drawn until the step holds --batch-size groups with spread; needs "
+                                 "--samples-per-prompt >= 2", flag="--filter-groups")
+    max_rounds: int = option(4, "--filter-groups: extra draws of --batch-size prompts at most per step; reached, the "
+                             "step trains on the groups it has (filter/groups_short, one warning line)", low=0,
+                             flag="--filter-max-rounds")
+    curriculum: bool = option(False, "an online prompt curriculum (B18): each prompt's pass rate over its last "
+                              "difficulty.memory visits is remembered (checkpointed); prompts that passed all or none "
+                              "of their samples in every remembered visit are drawn with weight "
+                              "difficulty.min_weight instead of 1, never excluded", flag="--curriculum")
+    pass_threshold: float = option(0.5, "a sample passes when its score is above this (0/1 verifier rewards: 0.5)")
+    memory: int = option(2, "visits per prompt the curriculum remembers", low=1)
+    min_weight: float = option(0.25, "draw weight of a prompt solved (or failed) in every remembered visit; the others "
+                               "weigh 1", low=0.0, low_open=True, high=1.0)
+
+
+@dataclass
 class PPOConfig:
     epochs: int = option(4, "optimisation epochs over each rollout batch", low=1, flag="--ppo-epochs")
     mini_batches: int = option(4, "minibatches per epoch (must divide --batch-size)", low=1,
@@ -246,6 +265,7 @@ class RunConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     gae: GAEConfig = field(default_factory=GAEConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -292,6 +312,9 @@ class RunConfig:
         if estimator in GROUP_BASELINES and self.samples_per_prompt < 2:
             raise ConfigError(f"--advantage {estimator}: needs --samples-per-prompt of at least 2 (its baseline "
                               f"is the other samples of the same prompt), got {self.samples_per_prompt}")
+        if self.difficulty.filter_groups and self.samples_per_prompt < 2:
+            raise ConfigError("--filter-groups: needs --samples-per-prompt of at least 2 (a group's spread is over its "
+                              f"samples), got {self.samples_per_prompt}")
         if self.advantage.critic_free and self.critic.warmup_steps:
             raise ConfigError(f"--critic-warmup-steps: {self.critic.warmup_steps}, but --advantage {estimator} "
                               "has no critic to warm up")

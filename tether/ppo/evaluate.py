@@ -8,6 +8,7 @@ import time
 import torch
 
 from tether.core.kl import kl_penalty
+from tether.diagnostics.text import word_f1
 from tether.ppo.forward import forward_response
 from tether.ppo.prompts import collate_fields
 from tether.ppo.sources import call_rule, score_responses
@@ -29,7 +30,30 @@ def evaluate(run, cfg, step: int) -> tuple[dict, list[dict]]:
     started = time.perf_counter()
     with gathered(model, m.fsdp):  # a sharded policy gathered once for all the chunks
         metrics, samples = _evaluate_rows(run, cfg, rows, model)
+    metrics.update(against_reference(d, step, metrics, samples))
     return {**metrics, "perf/seconds_eval": time.perf_counter() - started}, samples
+
+
+def against_reference(d, step: int, metrics: dict, samples: list[dict]) -> dict:
+    """The step-0 evaluation's answers are the reference policy's (nothing trained yet): kept in ``d``
+    (:class:`~tether.ppo.setup.Data`). Later evaluations of the same prompts report ``eval/reference_overlap``, the
+    mean word-bag F1 of each answer with the reference's answer to the same prompt, and ``eval/reward_gain``, the
+    held-out reward's change since step 0 — together the doctor's view of a shortcut: the reward up while the
+    answers stop resembling what the task drew from the policy (a check satisfied, the task dropped). Each sample
+    gets its ``reference`` answer beside it. {} without a step-0 evaluation."""
+    answers = [s["response"] for s in samples]
+    if step == 0 and d.reference_answers is None:
+        d.reference_answers = {"answers": answers, "reward": metrics.get("eval/reward")}
+        return {}
+    reference = d.reference_answers
+    if reference is None or len(reference["answers"]) != len(answers):
+        return {}
+    for sample, ref in zip(samples, reference["answers"]):
+        sample["reference"] = ref
+    out = {"eval/reference_overlap": sum(map(word_f1, answers, reference["answers"])) / max(len(answers), 1)}
+    if isinstance(reference.get("reward"), float) and isinstance(metrics.get("eval/reward"), float):
+        out["eval/reward_gain"] = metrics["eval/reward"] - reference["reward"]
+    return out
 
 
 def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]:

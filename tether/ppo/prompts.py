@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.conversations import ASSISTANT
+from tether.ppo.curriculum import Curriculum
 from tether.errors import DataError
 
 
@@ -94,7 +95,9 @@ def collate_fields(rows: list[dict]) -> dict[str, list]:
 
 @dataclass
 class PromptStream:
-    """Seeded, reshuffled each epoch, split across ranks; ``state_dict`` is the data position (B14)."""
+    """Seeded, reshuffled each epoch, split across ranks; ``state_dict`` is the data position (B14). With a
+    :class:`~tether.ppo.curriculum.Curriculum` each draw is weighted by the prompts' recent pass rates instead
+    (without replacement within a draw, seeded by seed, rank and the draw count), and its table is state too."""
 
     rows: list[dict]
     batch_size: int
@@ -103,13 +106,25 @@ class PromptStream:
     world_size: int = 1
     epoch: int = 0
     cursor: int = 0
+    curriculum: Curriculum | None = None
+    draws: int = 0
 
     def _order(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         return torch.randperm(len(self.rows), generator=g).tolist()
 
+    def draw(self) -> tuple[list[int], list[dict]]:
+        """This rank's ``batch_size`` prompts: their indices in ``rows`` and the rows."""
+        indices = self._next_indices()
+        return indices, [self.rows[i] for i in indices]
+
     def next_batch(self) -> list[dict]:
-        """This rank's ``batch_size`` rows; the epoch wraps (and reshuffles) when too few remain."""
+        return self.draw()[1]
+
+    def _next_indices(self) -> list[int]:
+        if self.curriculum is not None:
+            self.draws += 1
+            return self.curriculum.draw(self.batch_size, (self.seed * 1_000_003 + self.rank) * 100_003 + self.draws)
         stride = self.batch_size * self.world_size
         if self.cursor + stride > len(self.rows):
             if stride > len(self.rows):
@@ -117,15 +132,21 @@ class PromptStream:
                 order = self._order()
                 start = self.cursor + self.rank * self.batch_size
                 self.cursor += stride
-                return [self.rows[order[(start + i) % len(order)]] for i in range(self.batch_size)]
+                return [order[(start + i) % len(order)] for i in range(self.batch_size)]
             self.epoch, self.cursor = self.epoch + 1, 0
         order = self._order()
         start = self.cursor + self.rank * self.batch_size
         self.cursor += stride
-        return [self.rows[i] for i in order[start:start + self.batch_size]]
+        return order[start:start + self.batch_size]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "draws": self.draws}
+        if self.curriculum is not None:
+            state["curriculum"] = self.curriculum.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.draws = int(state.get("draws", 0))
+        if self.curriculum is not None and "curriculum" in state:
+            self.curriculum.load_state_dict(state["curriculum"])

@@ -32,7 +32,8 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
             "policy_scheduler": o.policy_scheduler.state_dict(), "critic_scheduler": state_of(o.critic_scheduler),
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
             "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
-            "grad_scaler": o.scaler.state_dict()}  # fp16's loss scale and its growth count; {} otherwise
+            "grad_scaler": o.scaler.state_dict(),  # fp16's loss scale and its growth count; {} otherwise
+            "reference_answers": d.reference_answers}
 
 
 def state_of(x) -> dict | None:
@@ -82,6 +83,7 @@ def restore(run, run_dir: Path) -> int:
         o.scaler.load_state_dict(state["grad_scaler"])
     d.running_scores.load_state_dict(state["running_scores"])
     d.prompts.load_state_dict(state["prompts"])
+    d.reference_answers = state.get("reference_answers")
     restore_rng(run, state)
     return int(state["step"])
 

@@ -26,6 +26,7 @@ from torch import nn
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, load_tokenizer
+from tether.ppo.curriculum import Curriculum
 from tether.ppo.forward import ForwardOptions, checked_forward_options
 from tether.ppo.inputs import GivenInputs
 from tether.ppo.models import (
@@ -94,6 +95,9 @@ class Data:
     sources: list[Callable]        # each (prompts, responses, fields) -> (B,) scores
     gold: Callable | None          # rule for eval/accuracy
     running_scores: RunningMoments
+    # the step-0 evaluation: the untrained policy's (= the reference's) held-out answers and reward, against which
+    # later evaluations measure eval/reference_overlap and eval/reward_gain (checkpointed)
+    reference_answers: dict | None = None
 
 
 @dataclass
@@ -300,6 +304,11 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     models.forward = forward
     processes.closing.append(models.engine.close)
     gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
-    data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
+    curriculum = None
+    if cfg.difficulty.curriculum:
+        curriculum = Curriculum(len(train_rows), cfg.difficulty.memory, cfg.difficulty.min_weight,
+                                cfg.difficulty.pass_threshold)
+    data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size,
+                                     curriculum=curriculum),
                 eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments())
     return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))

@@ -2,15 +2,15 @@
 
 :func:`ppo_step` is the algorithm, top to bottom in data-flow order (reference 000 §B.3):
 
-  1. rollout: K samples per prompt (B1, B17)        6. advantages: GAE with the truncation bootstrap (B7), or
-  2. old log-probs, training-side forward (B2)         a critic-free estimator on the groups of K (B17)
-  3. reference log-probs (B3)                       7. whiten GAE's advantages (B8); freeze: the Experience
-  4. values V_old(s_t) and V_old(s_T) (a critic)    8. ppo_epochs × shuffled minibatches of groups (B9, B6)
-  5. scores (B4) → per-token rewards (B5)           9. early stop on approx KL to π_old (B10)
-                                                   10. KL controller (B11)
+  1. rollout: K samples per prompt, scored (B1,     6. advantages: GAE with the truncation bootstrap (B7), or
+     B4, B17); flat groups redrawn (B18)               a critic-free estimator on the groups of K (B17)
+  2. old log-probs, training-side forward (B2)      7. whiten GAE's advantages (B8); freeze: the Experience
+  3. reference log-probs (B3)                       8. ppo_epochs × shuffled minibatches of groups (B9, B6)
+  4. values V_old(s_t) and V_old(s_T) (a critic)    9. early stop on approx KL to π_old (B10)
+  5. scores → per-token rewards (B5)               10. KL controller (B11)
 
 It reads a :class:`~tether.ppo.setup.Run` (processes, models, optimisation, data) and makes the two
-records of :mod:`tether.ppo.records`: the :class:`Rollout` (step 1) and the :class:`Experience` (end of
+records: the :class:`~tether.ppo.draw.StepBatch` (step 1: the rollout and its raw scores) and the :class:`Experience` (end of
 step 7), which the epoch loop (:mod:`tether.ppo.update`) only reads; the metrics are
 :mod:`tether.ppo.metrics`'. The run loop around it is :mod:`tether.ppo.train`.
 """
@@ -34,9 +34,9 @@ from tether.ppo.metrics import (
     value_metrics,
 )
 from tether.ppo.perf import PhaseTimer
-from tether.ppo.prompts import collate_fields
+from tether.ppo.draw import draw_step_batch
 from tether.ppo.records import Experience
-from tether.ppo.sources import RewardScores, postprocess_scores, score_rollout
+from tether.ppo.sources import RewardScores, postprocess_scores
 from tether.ppo.update import ppo_epochs
 from tether.rollout.records import Rollout
 from tether.rollout.sampling import encode_prompts
@@ -64,17 +64,17 @@ def ppo_step(run, cfg, step: int) -> dict:
     """One PPO step on ``run`` (:class:`~tether.ppo.setup.Run`). Returns the metrics."""
     p, m, o, d = run.processes, run.models, run.optim, run.data
     timer = PhaseTimer()
-    temperature, k = cfg.generation.temperature, cfg.samples_per_prompt
-    rows = [row for row in d.prompts.next_batch() for _ in range(k)]  # K adjacent rows per prompt: a group (B17)
-    prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
+    temperature = cfg.generation.temperature
 
-    # 1. Rollout (B1): an engine holding its own weights takes the current ones first (C3; here, so a resumed
-    # run is covered too), then samples with the KV cache until every row ended; EOS vs truncated recorded.
+    # 1. Rollout (B1) and the reward sources' scores (B4, A9; sequence and dense channels apart): an engine holding
+    # its own weights takes the current ones first (C3; here, so a resumed run is covered too), then samples with the
+    # KV cache until every row ended; EOS vs truncated recorded. The prompts come from the stream (weighted by the
+    # curriculum, B18); with --filter-groups, groups whose scores have no spread are replaced by more draws (B18).
     if m.engine.syncs_weights:
         with timer("weight_sync"):
             m.engine.sync_weights(m.unwrapped_policy)
-    with timer("generate"):
-        rollout, responses = rollout_batch(m, cfg, rows)
+    batch = draw_step_batch(run, cfg, timer, rollout_batch)
+    rollout, rewards_raw = batch.rollout, batch.rewards_raw
     response_mask = rollout.response_mask.float()  # (B, T)
 
     with timer("score"):  # charged to its parts, SCORE_PHASES (C2)
@@ -93,11 +93,11 @@ def ppo_step(run, cfg, step: int) -> dict:
             values_all = critic_values(m.critic, rollout, hidden)  # 4. Values V(s_0) … V(s_T), (B, T+1) or None
         values_old, last_values = split_values(values_all, rollout)
         timer.split("values")
-        # 5a. The reward sources (B4, A9): sequence scores and a process RM's dense step rewards, apart.
-        rewards_raw = score_rollout(d.sources, prompts, responses, fields, rollout, m.tokenizer)
-        # 5b. B16: a row with a non-finite score, log-prob, value or bootstrap value leaves this step's update.
-        valid, notes = finite_rows(rewards_raw, (logprobs_old, logprobs_ref, values_old), last_values,
-                                   response_mask)
+        # 5b. B16: a row with a non-finite score, log-prob, value or bootstrap value leaves this step's update, and so
+        # does a filler row of a flat group (--filter-groups short of groups with spread).
+        finite, notes = finite_rows(rewards_raw, (logprobs_old, logprobs_ref, values_old), last_values,
+                                    response_mask)
+        valid = finite & batch.kept.to(finite.device)
         (response_mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, sequence_raw,
          step_rewards) = zero_rows(valid, response_mask, logprobs_old, logprobs_ref, entropy, values_old,
                                    last_values, rewards_raw.sequence.to(p.device), rewards_raw.dense.to(p.device))
@@ -137,9 +137,11 @@ def ppo_step(run, cfg, step: int) -> dict:
     if step > cfg.critic.warmup_steps + 1:
         o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
-    return {**step_metrics(run, cfg, step, timer, rollout, experience, rewards_raw.total, entropy, kl_mean,
-                           beta_used, epochs_run),
-            **train_stats, "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
+    metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run)
+    metrics["health/dropped_rows"] = p.global_sum((~finite).sum().float())
+    notes = notes + batch.metrics.pop("health/notes", [])
+    return {**metrics, **batch.metrics, **train_stats,
+            "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
 
 
 def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_old: torch.Tensor | None,
@@ -159,15 +161,19 @@ def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_ol
     return advantages, returns
 
 
-def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Experience, scores_raw: torch.Tensor,
-                 entropy: torch.Tensor, kl_mean: float, beta_used: float, epochs_run: int) -> dict:
-    """The step's metrics (B12, C2, C6) over all processes, from the rollout as it was sampled and the experience."""
-    p, mask = run.processes, e.response_mask
+def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience, entropy: torch.Tensor,
+                 kl_mean: float, beta_used: float, epochs_run: int) -> dict:
+    """The step's metrics (B12, C2, C6) over all processes, from the batch as it was sampled (``batch``:
+    :class:`~tether.ppo.draw.StepBatch`; the group metrics of every group drawn) and the experience."""
+    p, mask, rollout, scores_raw = run.processes, e.response_mask, batch.rollout, batch.rewards_raw.total
+    curriculum = run.data.prompts.curriculum
+    drawn = batch.drawn_scores
     return {
         **objective_metrics(p, e.scores, scores_raw, e.rewards, e.kl, mask, e.valid, kl_mean, beta_used),
         "policy/entropy": global_masked_mean(p, entropy, mask),
         **(value_metrics(p, e.values_old, e.returns, mask) if e.values_old is not None else {}),
-        **group_metrics(p, e.scores, e.valid, cfg.samples_per_prompt),
+        **group_metrics(p, drawn, torch.isfinite(drawn), cfg.samples_per_prompt),
+        **(curriculum.summary() if curriculum is not None else {}),
         **response_metrics(p, rollout),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
@@ -175,7 +181,6 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Ex
                              packed=run.models.forward.packing),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
-        "health/dropped_rows": p.global_sum((~e.valid).sum().float()),
     }
 
 

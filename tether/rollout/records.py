@@ -46,6 +46,33 @@ class Rollout:
     def select(self, index: torch.Tensor) -> "Rollout":
         return select_rows(self, index)
 
+    @staticmethod
+    def concat(rollouts: list["Rollout"], pad_id: int) -> "Rollout":
+        """Several rollouts' rows as one: prompts left-padded to the widest, responses right-padded to the longest
+        (``pad_id``, mask 0); their EOS ids and ``min_new_tokens`` must agree."""
+        first = rollouts[0]
+        if any(r.eos_ids != first.eos_ids or r.min_new_tokens != first.min_new_tokens for r in rollouts):
+            raise ValueError("Rollout.concat: the rollouts were sampled with different EOS ids or min_new_tokens")
+        P = max(r.query.shape[1] for r in rollouts)
+        T = max(r.response.shape[1] for r in rollouts)
+        pad = torch.nn.functional.pad
+
+        def left(x, value):
+            return pad(x, (P - x.shape[1], 0), value=value)
+
+        def right(x, value):
+            return pad(x, (0, T - x.shape[1]), value=value)
+
+        sampler = None
+        if all(r.logprobs_sampler is not None for r in rollouts):
+            sampler = torch.cat([right(r.logprobs_sampler, 0.0) for r in rollouts])
+        return Rollout(query=torch.cat([left(r.query, pad_id) for r in rollouts]),
+                       query_mask=torch.cat([left(r.query_mask, 0) for r in rollouts]),
+                       response=torch.cat([right(r.response, pad_id) for r in rollouts]),
+                       response_mask=torch.cat([right(r.response_mask, 0) for r in rollouts]),
+                       ended_with_eos=torch.cat([r.ended_with_eos for r in rollouts]), eos_ids=first.eos_ids,
+                       min_new_tokens=first.min_new_tokens, logprobs_sampler=sampler)
+
     def trimmed(self) -> "Rollout":
         """The same rows without the columns that are padding in every row: the prompt's leading columns
         (left padding) and the response's trailing ones. Positions come from the attention mask, so every

@@ -1,0 +1,19 @@
+"""Rewards that make chosen groups flat, for the dynamic-sampling and curriculum tests (``difficulty_rules:NAME``).
+The K samples of a prompt are adjacent rows of every call (one round's batch), so ``i % K`` is a sample's index."""
+
+K = 4
+
+
+def is_flat(prompt: str) -> bool:
+    """The prompts whose groups get no spread: those starting with an even digit."""
+    return int(prompt[0]) % 2 == 0
+
+
+def flat_for_even(prompts, responses, **columns):
+    """1.0 for every sample of a prompt starting with an even digit (a solved, flat group); the sample's index in
+    its group (0, 1, 2, 3: spread) otherwise."""
+    return [1.0 if is_flat(p) else float(i % K) for i, p in enumerate(prompts)]
+
+
+def always_flat(prompts, responses, **columns):
+    return [0.0 for _ in prompts]
