@@ -147,3 +147,15 @@ def test_two_processes_each_fill_their_own_share(files, tmp_path):
     assert all(r["filter/prompts_drawn"] >= 8 for r in rows)
     state = torch.load(out / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert len(state["prompts"]["curriculum"]["visits"]) >= 8  # both processes' prompts in one table
+
+
+def test_shuffled_rewards_keep_their_values_and_move_them_between_rows():
+    from tether.ppo.draw import shuffled
+    from tether.ppo.sources import RewardScores
+
+    torch.manual_seed(0)
+    raw = RewardScores(sequence=torch.arange(8.0), dense=torch.zeros(8, 3), errors={2: "rule raised"})
+    out = shuffled(raw)
+    assert sorted(out.sequence.tolist()) == list(range(8)) and not torch.equal(out.sequence, raw.sequence)
+    moved = out.sequence.tolist().index(2.0)
+    assert out.errors == {moved: "rule raised"}  # the failed row's note goes where its score went

@@ -250,7 +250,9 @@ def test_doctor_names_a_run_whose_groups_are_all_alike(files, tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["failure_mode"] == "no signal in the groups" and d["cause_metric"] == "group/no_spread_fraction"
     assert "same score" in d["prescriptions"][0]["action"]  # all groups identical: the reward itself
-    assert d["prescriptions"][1]["key"] == "samples_per_prompt" and d["prescriptions"][1]["suggestion"] == "4"
+    then = {p["key"]: p["suggestion"] for p in d["prescriptions"][1:]}
+    assert then["difficulty.filter_groups"] == "true" and then["difficulty.curriculum"] == "true"  # B18
+    assert then["samples_per_prompt"] == "4"
     assert not any(b.startswith(("value_loss", "explained_variance")) for b in d["unchecked"])
     assert main(["report", str(run_dir), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()

@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tether"
 SHARED = {"cli", "config", "data", "presets", "checkpoint", "errors", "rules", "hf", "callbacks", "conversations",
-          "precision", "sharding"}
+          "precision", "sharding", "tasks"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
 RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "demo": 5, "top": 6}
 

@@ -169,9 +169,13 @@ def test_step_reports_each_phase(files, tmp_path, monkeypatch):
             return out
         return wrapped
 
-    for name, seconds in [("rollout_batch", (1.0,)), ("forward_response", (2.0, 4.0)), ("critic_values", (8.0,)),
-                          ("score_rollout", (16.0,)), ("ppo_epochs", (32.0,))]:
-        monkeypatch.setattr(step_module, name, ticking(getattr(step_module, name), *seconds))
+    import tether.ppo.draw as draw_module
+
+    # the reward sources score in the draw (before the forwards, so a flat group costs no forward: B18)
+    for module, name, seconds in [(step_module, "rollout_batch", (1.0,)), (step_module, "forward_response", (2.0, 4.0)),
+                                  (step_module, "critic_values", (8.0,)), (draw_module, "score_rollout", (16.0,)),
+                                  (step_module, "ppo_epochs", (32.0,))]:
+        monkeypatch.setattr(module, name, ticking(getattr(module, name), *seconds))
     metrics = step_module.ppo_step(run, cfg, 1)
     expected = {"generate": 1.0, "weight_sync": 0.0, "weight_gather": 0.0, "weight_transfer": 0.0,
                 "logprobs_old": 2.0, "reference": 4.0, "values": 8.0, "reward": 16.0, "score": 30.0, "train": 32.0,

@@ -90,6 +90,9 @@ class RewardConfig:
     normalize: str = option("none", "score normalisation (reward models are already standardised)",
                             choices=("none", "batch", "running"))
     clip: float = option(5.0, "scores clipped to [-clip, clip]; 0 = off", low=0.0)
+    shuffle: bool = option(False, "a control arm: the sequence scores of each draw permuted across its rows (seeded), "
+                           "so the reward keeps its distribution but says nothing about the responses; a run "
+                           "trained on it should not gain", flag="--shuffle-rewards")
     gold: str = option("auto", "rule used for eval/accuracy: module:function, 'auto' (the math rule when "
                        "prompts carry an answer) or 'none'", flag="--gold")
     batch_size: int = option(64, "reward-model scoring batch size", low=1)

@@ -94,6 +94,8 @@ def _draw_round(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
     with timer("reward"):  # the reward sources (B4, A9): sequence scores and a process RM's dense step rewards
         rewards_raw = score_rollout(d.sources, [r["prompt"] for r in rows], responses, collate_fields(rows),
                                     rollout, m.tokenizer)
+    if cfg.reward.shuffle:
+        rewards_raw = shuffled(rewards_raw)
     curriculum = d.prompts.curriculum
     if curriculum is not None:
         rates = curriculum.pass_rates(rewards_raw.total, k)
@@ -105,6 +107,16 @@ def _draw_round(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
         curriculum.record(indices, rates.tolist())
     return StepBatch(rows=rows, rollout=rollout, responses=responses, rewards_raw=rewards_raw,
                      kept=torch.ones(len(rows), dtype=torch.bool))
+
+
+def shuffled(scores: RewardScores) -> RewardScores:
+    """The control arm's reward (``reward.shuffle``): the sequence scores (and which row a rule failed on) permuted
+    across the rows with the process's torch RNG (checkpointed: a resumed run permutes alike). The dense channel (a
+    per-step PRM's rewards on the tokens that end steps) stays with its tokens."""
+    order = torch.randperm(len(scores.sequence))
+    where = {int(new): old for new, old in enumerate(order.tolist())}  # row new takes row old's score
+    errors = {new: scores.errors[old] for new, old in where.items() if old in scores.errors}
+    return RewardScores(sequence=scores.sequence[order], dense=scores.dense, errors=errors)
 
 
 def _flat_groups(batch: StepBatch, k: int) -> torch.Tensor:
