@@ -277,3 +277,17 @@ def test_a_launched_process_ends_without_the_interpreter_teardown(files, tmp_pat
     else:
         assert proc.returncode == 2 and "--log-with: 'nosuch'" in proc.stderr, proc.stderr[-2000:]
     assert ("TEARDOWN" in proc.stdout) == (world_size == "1")
+
+
+def test_kl_k3_clip_is_a_flag_defaulting_to_the_peers_10(files, tmp_path, capsys):
+    from tether.cli import build_parser
+    from tether.config import resolve_config
+    from tether.ppo.config import RunConfig
+
+    assert RunConfig().kl.k3_clip == 10.0
+    args = build_parser("ppo").parse_args(base_args(files, tmp_path / "run") + ["--kl-k3-clip", "0"])
+    assert resolve_config(RunConfig, args).kl.k3_clip == 0.0
+    assert main(base_args(files, tmp_path / "bad") + ["--kl-k3-clip", "-1"]) == 2
+    assert "--kl-k3-clip" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
