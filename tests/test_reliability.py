@@ -101,8 +101,10 @@ def test_checkpoints_by_time_are_on_by_default(files, tmp_path):
     assert [p.name for p in list_checkpoints(run)] == ["step_000001", "step_000002", "step_000003"]
 
 
-@pytest.mark.parametrize("rule", ["nan_some", "inf_some", "raises_some"])
+@pytest.mark.parametrize("rule", ["nan_some", "inf_some", "raises_some", "none_some", "garbage_some"])
 def test_rows_with_bad_scores_are_dropped_and_the_run_goes_on(files, tmp_path, rule):
+    """B16 (#38 item 5, #42 item 3): NaN, ±Inf, an exception on a row, TRL's None ("does not apply"), a string or a
+    list in place of a number — each costs its row (counted in health/dropped_rows, named in alerts), never the run."""
     cfg = tiny_config(tmp_path, *files, steps=3, reward__sources=[f"bad_rules:{rule}"],
                       reward__normalize="batch")
     run = train(cfg)
@@ -115,8 +117,12 @@ def test_rows_with_bad_scores_are_dropped_and_the_run_goes_on(files, tmp_path, r
     alerts = [json.loads(line)["alert"] for line in (run / "alerts.jsonl").read_text().splitlines()]
     dropped = [a for a in alerts if a.startswith("dropped ")]
     assert len(dropped) == sum(1 for r in got if r["health/dropped_rows"] > 0)
-    expected = "raised ValueError: cannot parse this reply" if rule == "raises_some" else "non-finite score"
-    assert expected in dropped[0] and "row " in dropped[0]
+    expected = {"raises_some": ["raised ValueError: cannot parse this reply"],
+                "none_some": ["no reward judged it (returned None (does not apply))"],
+                "garbage_some": ["raised ValueError: cannot parse this reply", "returned 'n/a' (str), not a number",
+                                 "returned [1.0] (list), not a number"]}.get(rule, ["non-finite score"])
+    assert all(any(text in a for a in dropped) for text in expected), dropped
+    assert "row " in dropped[0]
 
 
 def test_dropped_rows_leave_the_update(files, tmp_path, monkeypatch):
@@ -137,6 +143,31 @@ def test_dropped_rows_leave_the_update(files, tmp_path, monkeypatch):
     assert (e.advantages[bad] == 0).all() and (e.scores[bad] == 0).all()
     mask = e.response_mask.bool()
     assert abs(e.advantages[mask].mean().item()) < 1e-5  # whitened over the kept tokens only
+
+
+def test_a_trl_style_none_leaves_its_rows_out_of_a_grpo_update(files, tmp_path, monkeypatch):
+    """TRL's None ("does not apply") → NaN → the row is dropped (B16): no advantage, no place in its group's
+    statistics; the step runs. The rows are the ones the function itself returns None for."""
+    from bad_rules import none_some
+
+    from tether.ppo.setup import setup
+
+    seen, prompts_seen = [], []
+    real_epochs, real_rollout = step_module.ppo_epochs, step_module.rollout_batch
+    monkeypatch.setattr(step_module, "ppo_epochs",
+                        lambda run, cfg, e, step: (seen.append(e), real_epochs(run, cfg, e, step))[1])
+    monkeypatch.setattr(step_module, "rollout_batch", lambda models, cfg, rows, greedy=False: (
+        prompts_seen.append([r["prompt"] for r in rows]), real_rollout(models, cfg, rows, greedy))[1])
+    cfg = tiny_config(tmp_path, *files, reward__sources=["bad_rules:none_some"], advantage__estimator="grpo",
+                      samples_per_prompt=2, batch_size=8)
+    run = setup(cfg)
+    metrics = step_module.ppo_step(run, cfg, 1)
+    e = seen[0]
+    none_rows = torch.tensor([v is None for v in none_some(prompts_seen[0], [""] * len(prompts_seen[0]))])
+    assert none_rows.any() and not none_rows.all()
+    assert torch.equal(~e.valid, none_rows) and metrics["health/dropped_rows"] == none_rows.sum().item()
+    assert (e.advantages[none_rows] == 0).all() and (e.scores[none_rows] == 0).all()
+    assert metrics["ppo/updates"] > 0
 
 
 def test_a_nan_logit_skips_that_update_only(files, tmp_path, monkeypatch):
@@ -410,3 +441,26 @@ def test_a_run_saved_before_ppo_target_kl_resumes_only_with_its_early_stop(files
     check_same_config(cfg, tmp_path / "run")  # the same early stop: resumes
     save_config(cfg, tmp_path / "run" / "config.yaml")  # a run saved with the key: checked as any other key
     check_same_config(cfg, tmp_path / "run")
+
+
+def test_a_run_saved_before_kl_k3_clip_resumes_only_unclipped_if_it_used_k3(files, tmp_path):
+    """Runs saved before kl.k3_clip (#42) never clipped k3: resuming one that used k3 (kl.estimator k3 or
+    --kl-in loss) with the new default 10 would change its training, so --kl-k3-clip 0 is asked for; a run that
+    used k1 resumes as it is."""
+    import yaml
+
+    from tether.config import config_to_dict
+    from tether.ppo.resume import check_same_config
+
+    for estimator, penalty_in, refused in [("k3", "reward", True), ("k1", "loss", True), ("k1", "reward", False)]:
+        cfg = tiny_config(tmp_path, *files, kl__estimator=estimator, kl__penalty_in=penalty_in)
+        (tmp_path / "run").mkdir(exist_ok=True)
+        old = config_to_dict(cfg)
+        del old["kl"]["k3_clip"]
+        (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(old), encoding="utf-8")
+        if refused:
+            with pytest.raises(TetherError, match=r"--resume: kl.k3_clip is 10.0 but the run in .* was made with 0.0"):
+                check_same_config(cfg, tmp_path / "run")
+            cfg.kl.k3_clip = 0.0
+        check_same_config(cfg, tmp_path / "run")
+
