@@ -23,6 +23,28 @@ def raises_some(prompts, responses):
     return [len(r) / 10 for r in responses]
 
 
+def none_some(prompts, completions, **kwargs):
+    """A TRL-style reward function (TRL's signature): None for the rows it does not apply to."""
+    return [None if i % 3 == 0 else len(c) / 10 for i, c in zip(_index(prompts), completions)]
+
+
+def garbage_some(prompts, responses):
+    """A verifier that misbehaves on some rows: raises on one kind, returns a string or a list on others."""
+    index = _index(prompts)
+    if any(i % 5 == 1 for i in index):
+        raise ValueError("cannot parse this reply")
+    return ["n/a" if i % 5 == 2 else [1.0] if i % 5 == 3 else len(r) / 10 for i, r in zip(index, responses)]
+
+
+def gold_some(prompts, responses):
+    """A gold rule (verifier) that fails on some rows: raises on one kind, returns None, a string or +Inf on others,
+    1.0 (correct) on the rest."""
+    index = _index(prompts)
+    if any(i % 5 == 0 for i in index):
+        raise ValueError("cannot verify this reply")
+    return [{1: math.inf, 2: "yes", 3: None}.get(i % 5, 1.0) for i in index]
+
+
 def all_nan(prompts, responses):
     return [math.nan] * len(responses)
 

@@ -464,3 +464,49 @@ def test_a_run_saved_before_kl_k3_clip_resumes_only_unclipped_if_it_used_k3(file
             cfg.kl.k3_clip = 0.0
         check_same_config(cfg, tmp_path / "run")
 
+
+def test_a_gold_rule_that_fails_on_rows_costs_those_rows_not_the_evaluation(files, tmp_path):
+    """#38 item 5: the gold rule raising on a row, returning None, a string or +Inf: that row is not correct and
+    counted in eval/gold_failed, its sample says why; the other rows are judged as usual. Expected values from the
+    rule's own row kinds (prompt index mod 5: 0 raises, 1 +Inf, 2 "yes", 3 None, 4 correct)."""
+    from bad_rules import _index
+
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, eval__n=8, data__eval_fraction=0.25, reward__gold="bad_rules:gold_some")
+    metrics, samples = evaluate(setup(cfg), cfg, 0)
+    kinds = [i % 5 for i in _index([s["prompt"] for s in samples])]
+    assert len(samples) == 8 and 0 < kinds.count(4) < 8 and len(set(kinds)) >= 3
+    assert metrics["eval/gold_failed"] == sum(k != 4 for k in kinds)
+    assert metrics["eval/accuracy"] == kinds.count(4) / 8
+    assert metrics["eval/correct"] == "".join("1" if k == 4 else "0" for k in kinds)
+    why = {0: "raised ValueError: cannot verify this reply", 1: "returned inf", 2: "returned 'yes' (str), not a number",
+           3: "returned None (does not apply)"}
+    assert [s.get("gold_failed") for s in samples] == [why.get(k) for k in kinds]
+    assert [s["correct"] for s in samples] == [k == 4 for k in kinds]
+
+
+def test_judge_gold_by_hand():
+    """+Inf and NaN are no verdict: not correct, failed; 0 and 1 are verdicts."""
+    from types import SimpleNamespace
+
+    from tether.ppo.evaluate import judge_gold
+
+    cfg = SimpleNamespace(reward=SimpleNamespace(gold="python:g"))
+    verdicts, failed = judge_gold(cfg, lambda p, r: [1.0, math.inf, 0.0, math.nan, None], list("abcde"), list("abcde"),
+                                  {}, None)
+    assert verdicts[[0, 2]].tolist() == [1.0, 0.0] and torch.isnan(verdicts[[1, 3, 4]]).all()
+    assert failed == {1: "returned inf", 3: "returned nan", 4: "returned None (does not apply)"}
+    assert judge_gold(cfg, None, ["a"], ["b"], {}, None) == (None, {})
+
+
+def test_a_gold_rule_of_the_wrong_length_is_one_line_naming_gold(files, tmp_path):
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, eval__n=8, data__eval_fraction=0.25, reward__gold="bad_rules:wrong_length")
+    with pytest.raises(TetherError, match=r"^--gold bad_rules:wrong_length: rule wrong_length: returned 9 scores for "
+                                          r"8 responses$"):
+        evaluate(setup(cfg), cfg, 0)
+
