@@ -45,6 +45,18 @@ def gold_some(prompts, responses):
     return [{1: math.inf, 2: "yes", 3: None}.get(i % 5, 1.0) for i in index]
 
 
+_calls = {"n": 0}
+
+
+def fails_from_step_2(prompts, responses):
+    """Scores every row on its first two calls (the setup's probe, then step 1), raises on every row after: a run
+    that logged a step and then stops with an error."""
+    _calls["n"] += 1
+    if _calls["n"] > 2:
+        raise KeyError("answer")
+    return [len(r) / 10 for r in responses]
+
+
 def all_nan(prompts, responses):
     return [math.nan] * len(responses)
 
