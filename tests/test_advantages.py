@@ -2,11 +2,10 @@
 
 
 import math
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from launcher import spawn_gloo
 
 from tether import gae, masked_mean, shaped_rewards, whiten
 
@@ -155,12 +154,6 @@ def test_whiten_matches_two_pass_float64_at_large_offsets(offset, spread):
     assert abs(kept.mean().item()) < 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def whiten_on(rank: int, world_size: int, port: int, out) -> None:
     """Process ``rank`` whitens its half of the rows (ragged: the token counts differ) with distributed=True."""
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -177,15 +170,7 @@ def whiten_on(rank: int, world_size: int, port: int, out) -> None:
 def test_distributed_whiten_pools_all_ranks_tokens_two_pass():
     """Two gloo processes, each with 4 of the 8 rows at offset 3000 / spread 1: each whitens over both processes'
     valid tokens, so the halves put together equal the float64 two-pass reference on all rows."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=whiten_on, args=(r, 2, port, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    parts = dict(queue.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
+    parts = spawn_gloo(whiten_on, 2)
     x, mask = offset_batch(3000.0, 1.0)
     assert mask[:4].sum() != mask[4:].sum()  # per-rank means of means would differ from the pooled figure
     torch.testing.assert_close(torch.cat([parts[0], parts[1]]).double(), whiten_reference(x, mask), rtol=0, atol=2e-6)
