@@ -22,7 +22,8 @@ from pathlib import Path
 from tether.rules import gold_integer, math_correct, math_verify_correct
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SYSTEM = "You are a math tutor. Solve the word problem in at most three short sentences, then end with 'The answer is N.'"
+SYSTEM = ("You are a math tutor. Solve the word problem in at most three short sentences, then end with "
+          "'The answer is N.'")  # recipe 2's system turn (examples/recipe2-ppo-svamp.yaml)
 
 
 def gsm8k_rows() -> list[dict]:
@@ -69,9 +70,11 @@ def smollm2_replies(n_svamp: int, n_gsm8k: int, cache: Path) -> dict[str, list[t
     if any(have[s] < n for s, n in wanted.items()):
         done = generate(wanted, cache)
     out = {}
-    for name in wanted:
+    for name in wanted:  # a reply cut by max_new_tokens scores 0 under both rules; its text is read here as if ended
         rows = [d for d in done if d["set"] == name][:wanted[name]]
-        out[f"smollm2 {name} replies"] = [(d["response"] if d["ended"] else None, d["answer"], None) for d in rows]
+        ended = sum(d["ended"] for d in rows)
+        out[f"smollm2 {name} replies ({ended} of {len(rows)} ended)"] = [(d["response"], d["answer"], None)
+                                                                         for d in rows]
     return out
 
 
@@ -106,9 +109,7 @@ def generate(wanted: dict[str, int], cache: Path) -> list[dict]:
 
 
 def compare(name: str, triples: list[tuple[str | None, str, bool | None]]) -> tuple[dict, list[dict]]:
-    """Both rules on every (response, gold, label); a None response is a reply cut by max_new_tokens (both rules
-    score it 0: not compared). Returns the counts and the disagreements."""
-    triples = [t for t in triples if t[0] is not None]
+    """Both rules on every (response, gold, label). Returns the counts and the disagreements."""
     responses, golds = [t[0] for t in triples], [t[1] for t in triples]
     start = time.perf_counter()
     ours = math_correct([""] * len(triples), responses, answer=golds)

@@ -6,8 +6,9 @@ response ends by stating it as "The answer is N" (or a last line ``#### N``). Us
 ``--reward tether.rules:math_answer`` (``tether.rules:math_answer:format_bonus=0.2``).
 ``math_correct`` is the 0/1 gold check used for ``eval/accuracy``: the same parsing, no bonus.
 ``math_verify_correct`` is the same 0/1 check by Hugging Face's math-verify (an optional extra, ``--gold`` or
-``--reward tether.rules:math_verify_correct``); the two agree on 99.9% of GSM8K's and SVAMP's gold answers and
-recorded model answers, and docs/real-models.md lists where they differ.
+``--reward tether.rules:math_verify_correct``); the two agree on 99.7–100% of GSM8K's and SVAMP's reference
+answers and recorded model answers, and docs/real-models.md says where they differ (math-verify reads the number
+after any "answer…", "answered 200 calls", as the reply's answer).
 ``load_rule`` imports any rule named ``module:function[:key=value,...]`` (PPO reward sources, step rules).
 
 Numbers are read as people write them: ``18``, ``-7``, ``18.00`` (== 18), ``0.5``, ``.5``, ``1,234``

@@ -13,8 +13,9 @@ Rules get the prompt rows' other columns as keyword lists and, from PPO training
 reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
 rule can refuse to credit truncated replies; rules that don't name it and take no ``**fields`` never see it.
 A rule is called through :func:`tether.ppo.rule_calls.call_rule` (a bad row costs the row, B16). Sequence scores
-are summed, a rule counting only on the rows it judged (None: "does not apply", :func:`judged_sum`). Then: length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or
-running z-score) and clipping to [−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
+are summed, a rule counting only on the rows it judged (None: "does not apply", :func:`judged_sum`). Then:
+length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or running z-score) and clipping to
+[−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
 """
 
 from __future__ import annotations
