@@ -319,8 +319,8 @@ def test_math_verify_missing_is_one_line_saying_how_to_install(monkeypatch):
 
 
 def test_a_gold_rule_that_cannot_run_stops_the_run_at_setup_naming_gold(tmp_path, monkeypatch):
-    """The gold rule is probed with the reward rules, before any file is written: math-verify missing is one line
-    naming --gold at setup, not an error at the first evaluation."""
+    """A shipped rule on an optional package is checked when loaded, before any file is written: math-verify
+    missing is one line naming --gold at setup, not an error at the first evaluation."""
     import sys
 
     from tiny import make_policy_dir, make_prompts_file, tiny_config

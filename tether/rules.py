@@ -214,6 +214,9 @@ def _math_verify():
     return parse, verify
 
 
+NEEDS_PACKAGE = {"math_verify_correct": _math_verify}  # shipped rules on an optional package, checked when loaded
+
+
 def char_share(prompts: list[str], responses: list[str], char: str = "7", **_) -> list[float]:
     """Share of the response's characters equal to ``char`` (0 for an empty response): a toy reward
     that any policy can climb, for smoke tests and for watching PPO work."""
@@ -251,6 +254,11 @@ def load_rule(spec: str, flag: str = "--reward") -> Callable:
     fn = getattr(module, function_name, None)
     if not callable(fn):
         raise TetherError(f"{flag} {spec}: module {module_name!r} has no function {function_name!r}")
+    if module_name == __name__ and function_name in NEEDS_PACKAGE:  # an optional package: missing is said now
+        try:
+            NEEDS_PACKAGE[function_name]()
+        except TetherError as e:
+            raise TetherError(f"{flag} {spec}: {e}") from None
     if kwargs:
         base = fn
 

@@ -43,7 +43,8 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
             logprobs, _, _ = forward_response(model, rollout, cfg.generation.temperature)
             with m.policy.reference_model(model) as reference:
                 logprobs_ref, _, _ = forward_response(reference, rollout, cfg.generation.temperature)
-        kl = (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator, cfg.kl.k3_clip) * rollout.response_mask).sum(dim=1)
+        kl = kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator, k3_clip=cfg.kl.k3_clip)
+        kl = (kl * rollout.response_mask).sum(dim=1)
         # Rules get the EOS flags: the math rules never credit a reply cut by max_new_tokens.
         scores = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos)
         correct, gold_failed = judge_gold(cfg, d.gold, prompts, responses, fields, rollout.ended_with_eos)

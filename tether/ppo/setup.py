@@ -193,23 +193,21 @@ def make_optimisation(cfg, policy: Policy, critic: nn.Module | None, precision: 
         scaler=precision.grad_scaler())
 
 
-def probe_rules(sources: list, rows: list[dict], gold=None, gold_spec: str = "") -> None:
-    """Call each rule, and the gold rule, once on a few prompts with empty replies, before anything is written, so
-    that a rule returning the wrong length or a non-number, or missing its package (math-verify), is a one-line
-    error now rather than at step 1 or the first evaluation. A rule that raises here is left to the step (it may
-    just dislike empty replies; rows it fails on are dropped)."""
+def probe_rules(sources: list, rows: list[dict]) -> None:
+    """Call each rule once on a few prompts with empty replies, before anything is written, so that a rule
+    returning the wrong length or a non-number is a one-line error now rather than at step 1. A rule
+    that raises here is left to the step (it may just dislike empty replies; rows it fails on are dropped)."""
     from tether.ppo.prompts import collate_fields
     from tether.ppo.sources import RuleSource, call_rule
 
     prompts = [r["prompt"] for r in rows]
-    rules = [(source.fn, "") for source in sources if isinstance(source, RuleSource)]
-    rules += [(gold, f"--gold {gold_spec}: ")] if gold is not None else []
-    for fn, flag in rules if prompts else []:
-        try:
-            call_rule(fn, prompts, [""] * len(prompts), collate_fields(rows), [True] * len(prompts))
-        except TetherError as e:
-            if "raised on every response" not in str(e):
-                raise TetherError(f"{flag}{e}") from None
+    for source in sources:
+        if isinstance(source, RuleSource) and prompts:
+            try:
+                call_rule(source.fn, prompts, [""] * len(prompts), collate_fields(rows), [True] * len(prompts))
+            except TetherError as e:
+                if "raised on every response" not in str(e):
+                    raise
 
 
 def check_context(cfg, tokenizer, use_chat_template: bool, model_config, rows: list[dict]) -> None:
@@ -278,8 +276,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     policy, tokenizer, policy_path = load_policy(cfg.model)
     sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device,
                             cfg.reward.process, cfg.reward.process_threshold, given.rewards if given else None)
-    gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
-    probe_rules(sources, train_rows[:4], gold, cfg.reward.gold)
+    probe_rules(sources, train_rows[:4])
     critic = None if cfg.advantage.critic_free else load_critic(
         cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path), cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
@@ -293,6 +290,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
         optim = make_optimisation(cfg, policy, critic, precision)
         models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg, precision)
     processes.closing.append(models.engine.close)
+    gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
                 eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments())
     return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))
