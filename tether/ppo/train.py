@@ -164,6 +164,8 @@ class PPOTrainer:
 
     def train(self) -> TrainResult:
         """Run the remaining steps, then :meth:`finish`; a step that raises finishes the trackers first (#42)."""
+        if self.result is not None:  # finished, or a rollout process (it served until the trainers stopped)
+            return self.result
         with self.log.closed_on_error():
             while self.steps_done < self.cfg.steps and self.stopped is None:
                 self.step()
