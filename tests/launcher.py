@@ -22,6 +22,23 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "accelerate"
 
 
+def spawn_gloo(target, world_size: int = 2, timeout: float = 120) -> dict:
+    """Run ``target(rank, world_size, port, queue)`` in ``world_size`` spawned processes that join a gloo group on a
+    free port (no launcher); each puts ``(rank, result)`` on the queue. Returns ``{rank: result}``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(rank, world_size, port, queue)) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return results
+
+
 def free_port() -> int:
     """A TCP port no socket holds now (the OS picks it for a bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

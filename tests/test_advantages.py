@@ -1,8 +1,11 @@
 """GAE, shaped rewards and whitening against hand-derived values and slow float64 references."""
 
 
+import math
+
 import pytest
 import torch
+from launcher import spawn_gloo
 
 from tether import gae, masked_mean, shaped_rewards, whiten
 
@@ -114,6 +117,63 @@ def test_whiten_uses_valid_tokens_only():
     kept = whiten(x, mask, shift_mean=False, eps=0.0)
     torch.testing.assert_close(kept, (expected + mu) * mask)
     assert abs(masked_mean(out, mask).item()) < 1e-12
+
+
+def whiten_reference(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Two-pass whitening in Python floats with exact sums (math.fsum): the mean of the valid elements, then the
+    mean of their squared deviations from it; (x − μ)/sqrt(σ² + eps) on valid elements, 0 elsewhere."""
+    valid = [float(v) for v in x[mask.bool()].tolist()]
+    mu = math.fsum(valid) / len(valid)
+    var = math.fsum((v - mu) ** 2 for v in valid) / len(valid)
+    scale = 1.0 / math.sqrt(var + eps)
+    return torch.tensor([[(float(v) - mu) * scale if m else 0.0 for v, m in zip(row, mrow)]
+                         for row, mrow in zip(x.tolist(), mask.bool().tolist())], dtype=torch.float64)
+
+
+def offset_batch(offset: float, spread: float, rows: int = 8, T: int = 64, seed: int = 0):
+    """float32 (rows, T) values offset + spread·N(0, 1) and a ragged mask (lengths 1..T)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (offset + spread * torch.randn(rows, T, generator=g, dtype=torch.float64)).float()
+    lengths = torch.randint(1, T + 1, (rows,), generator=g)
+    return x, (torch.arange(T)[None, :] < lengths[:, None]).float()
+
+
+@pytest.mark.parametrize("offset, spread", [(100.0, 0.1), (1000.0, 0.1), (3000.0, 1.0), (-250.0, 0.01), (0.0, 1.0)])
+def test_whiten_matches_two_pass_float64_at_large_offsets(offset, spread):
+    """Issue #42: E[x²] − mean² in float32 cancelled (offset 100 / spread 0.1: std 1.19; 1000 / 0.1: 1.43; 3000 / 1:
+    variance 0, ×10⁴). REINFORCE++ whitens raw returns, which sit at such offsets with a log-likelihood score."""
+    x, mask = offset_batch(offset, spread)
+    out = whiten(x, mask)
+    assert out.dtype == torch.float32
+    expected = whiten_reference(x, mask)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
+    kept = out.double()[mask.bool()]
+    # std 1 up to eps's share: sqrt(σ² / (σ² + 1e-8)) = 0.99995 at spread 0.01
+    assert kept.std(unbiased=False).item() == pytest.approx(expected[mask.bool()].std(unbiased=False).item(), abs=1e-6)
+    assert kept.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    assert abs(kept.mean().item()) < 1e-5
+
+
+def whiten_on(rank: int, world_size: int, port: int, out) -> None:
+    """Process ``rank`` whitens its half of the rows (ragged: the token counts differ) with distributed=True."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    try:
+        x, mask = offset_batch(3000.0, 1.0)
+        half = len(x) // world_size
+        rows = slice(rank * half, (rank + 1) * half)
+        out.put((rank, whiten(x[rows], mask[rows], distributed=True)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_distributed_whiten_pools_all_ranks_tokens_two_pass():
+    """Two gloo processes, each with 4 of the 8 rows at offset 3000 / spread 1: each whitens over both processes'
+    valid tokens, so the halves put together equal the float64 two-pass reference on all rows."""
+    parts = spawn_gloo(whiten_on, 2)
+    x, mask = offset_batch(3000.0, 1.0)
+    assert mask[:4].sum() != mask[4:].sum()  # per-rank means of means would differ from the pooled figure
+    torch.testing.assert_close(torch.cat([parts[0], parts[1]]).double(), whiten_reference(x, mask), rtol=0, atol=2e-6)
 
 
 def test_masked_mean_empty_is_zero_not_nan():

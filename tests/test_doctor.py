@@ -266,6 +266,27 @@ def test_a_gold_fall_at_the_final_evaluation_is_named_only_when_the_run_has_ende
     assert diagnose(rows, run_config={"steps": N}).alarm_step == N
 
 
+def test_an_adaptive_controller_that_drove_beta_to_zero_is_judged_untethered():
+    """Issue #42: the final-evaluation rule read β from objective/kl_coef as tethered whenever β > 0, so an adaptive
+    run that halved β every step (0.05 → 0.05·2⁻⁵⁹ at step 60) was spared the β = 0 rule. The β in force is judged
+    against the run's first β: at most 1% of it (0.0005 here) is the tether off; a quarter of it is still on."""
+    rows = healthy_rows()
+    best = max(r["eval/accuracy"] for r in rows[:-1] if "eval/accuracy" in r)
+    rows[-1]["eval/accuracy"] = best - 0.15  # the warning-level dip of the test above
+    for r in rows:
+        r["objective/kl_coef"] = 0.05 * 0.5 ** (r["step"] - 1)
+    assert 0 < rows[-1]["objective/kl_coef"] < 1e-18
+    d = diagnose(rows, run_config={"steps": N})
+    assert (d.failure_mode, d.cause_metric, d.alarm_step) == ("reward hacking", "eval/accuracy", N)
+    for r in rows:  # β lowered but in force: 0.05 → 0.0125
+        r["objective/kl_coef"] = 0.05 * 0.5 ** min(2, r["step"] // 20)
+    d = diagnose(rows, run_config={"steps": N})
+    assert d.healthy and d.notes[0].startswith("warning (reward hacking, not confirmed): step 60")
+    for r in rows:  # 0.05 → 0.0004 (7 halvings): off
+        r["objective/kl_coef"] = 0.05 * 0.5 ** min(7, r["step"] // 8)
+    assert diagnose(rows, run_config={"steps": N}).failure_mode == "reward hacking"
+
+
 def test_gold_fall_with_rising_reward_is_the_verdict_even_after_a_kl_alarm():
     # β = 0: the tether is off, the KL runs away first, then the gold metric falls as the reward rises.
     rows = healthy_rows()

@@ -63,6 +63,28 @@ def test_a_group_of_equal_scores_gets_exactly_zero(value, k):
     assert grpo_scores(mixed, k, 1e-6)[k:].abs().min() > 0.3
 
 
+def test_ties_are_judged_one_way_by_the_estimators_and_the_no_spread_metric():
+    """Issue #42: group/no_spread_fraction (and the doctor) called a group flat when max − min ≤ 1e-6·(1 + |max|);
+    the estimators zeroed only exact ties. Group 1 [0.5, 0.5, 0.5, 0.5 + 1e-6]: spread 1.01e-6 (float32) ≤ 1.5e-6,
+    tied; by hand GRPO gave it (mean 0.50000025, sample std 5.0e-7) −2.5e-7 / (5e-7 + 1e-6) = −0.17 and
+    7.6e-7 / 1.5e-6 = +0.5 (the old code, in float32: −0.158 and +0.514; group 3: −0.498, +1.494). Group 2
+    [.., 0.5 + 2e-6]: 2.0e-6 > 1.5e-6, signal. At |max| ~ 1000 the tolerance is 1.001e-3: group 3 (spread 4.9e-4)
+    tied, group 4 (spread 2.0e-3) not."""
+    scores = torch.tensor([0.5, 0.5, 0.5, 0.5 + 1e-6, 0.5, 0.5, 0.5, 0.5 + 2e-6,
+                           1000.0, 1000.0, 1000.0, 1000.0005, 1000.0, 1000.0, 1000.0, 1000.002])
+    flat = group_spread(scores, 4)["no_spread"].tolist()
+    assert flat == [True, False, True, False]
+    for name, fn in (("rloo", rloo_scores), ("grpo", lambda s, k: grpo_scores(s, k, 1e-6)),
+                     ("dr_grpo", dr_grpo_scores)):
+        out = fn(scores, 4).reshape(4, 4)
+        assert [bool((row == 0).all()) for row in out] == flat, name  # zero exactly where the metric says flat
+    z = grpo_scores(scores, 4, 1e-6).reshape(4, 4)
+    assert z[1, 3] > 0.5 and z[3, 3] > 1.0  # the groups with signal keep their z-scores
+    from tether.ppo.metrics import group_metrics  # what the doctor's no_spread band reads
+
+    assert group_metrics(OneProcess(), scores, torch.ones(16, dtype=torch.bool), 4)["group/no_spread_fraction"] == 0.5
+
+
 def test_rows_that_do_not_split_into_groups_are_refused():
     with pytest.raises(ValueError, match="groups of 4"):
         rloo_scores(torch.zeros(6), 4)

@@ -257,3 +257,26 @@ def test_doctor_names_a_run_whose_groups_are_all_alike(files, tmp_path, capsys):
     assert main(["report", str(run_dir), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     assert "Groups of K samples with no score spread" in page and "grpo, K = 2" in page
+
+
+@pytest.mark.parametrize("k3_clip", [None, 0.0])
+def test_the_k3_loss_term_is_clipped_at_kl_k3_clip(files, tmp_path, monkeypatch, k3_clip):
+    """The reference 12 nats above the policy on every token: k3 = e^12 − 13 = 162741.79 per token, clipped to 10
+    by default (veRL, OpenRLHF); --kl-k3-clip 0 (TRL) leaves it whole."""
+    clip = {} if k3_clip is None else {"kl__k3_clip": k3_clip}
+    cfg = tiny_config(tmp_path, *files, batch_size=4, samples_per_prompt=2, ppo__mini_batches=1,
+                      advantage__estimator="grpo", kl__penalty_in="loss", kl__coef=0.3, **clip)
+    run = setup(cfg)
+    captured = {}
+    original = update_module.minibatch_loss
+
+    def spy(run_, cfg_, mb, critic_only, weight):
+        mb = type(mb)(**{**mb.__dict__, "logprobs_ref": mb.logprobs_old + 12.0})
+        stats = original(run_, cfg_, mb, critic_only, weight)
+        captured.setdefault("first", stats)
+        return stats
+
+    monkeypatch.setattr(update_module, "minibatch_loss", spy)
+    ppo_step(run, cfg, 1)
+    expected = 10.0 if k3_clip is None else math.exp(12.0) - 13.0
+    assert captured["first"]["policy/kl_loss"] == pytest.approx(expected, rel=1e-5)

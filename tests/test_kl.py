@@ -91,3 +91,24 @@ def test_controllers_at_zero_kl_by_hand():
     boundary = AdaptiveKLController(0.05, target=0.015)
     boundary.update(0.01, 1)  # exactly target/1.5 is not below it: unchanged
     assert boundary.value == 0.05
+
+
+def test_k3_is_clipped_at_10_by_default_as_verl_and_openrlhf_and_0_turns_it_off():
+    """Issue #42: at log(π_ref/π) = 11.9 an unclipped k3 is 1.47e5. Hand values of (r − 1) − log r:
+    log r = 11.9 → e^11.9 − 12.9 = 147253.7; 2 → e^2 − 3 = 4.389056; 2.7 → e^2.7 − 3.7 = 11.179733;
+    −12 → e^−12 + 11 = 11.0000061. The clip (10) binds for log r > 2.61 or < −11.0."""
+    lp = torch.zeros(4)
+    log_r = torch.tensor([11.9, 2.0, 2.7, -12.0])
+    assert kl_penalty(lp, lp + log_r, "k3").tolist() == pytest.approx([10.0, 4.389056, 10.0, 10.0], rel=1e-6)
+    assert kl_penalty(lp, lp + log_r, "k3", k3_clip=0).tolist() == pytest.approx(
+        [147253.7252, 4.389056, 11.179733, 11.0000061], rel=1e-6)
+    assert kl_penalty(lp, lp + log_r, "k3", k3_clip=5.0).tolist() == pytest.approx([5.0, 4.389056, 5.0, 5.0])
+    assert kl_penalty(lp, lp + log_r, "k1").tolist() == pytest.approx([-11.9, -2.0, -2.7, 12.0])  # k1, k2 unclipped
+    assert kl_penalty(lp, lp + log_r, "k2")[0].item() == pytest.approx(0.5 * 11.9**2)
+
+
+def test_a_clipped_k3_token_adds_no_gradient():
+    """d k3 / d log π = 1 − r below the clip (log r = 2: 1 − e² = −6.389056), 0 where the clip binds."""
+    lp = torch.zeros(2, requires_grad=True)
+    kl_penalty(lp, torch.tensor([2.0, 11.9]), "k3").sum().backward()
+    assert lp.grad.tolist() == pytest.approx([1 - math.exp(2.0), 0.0], rel=1e-6)

@@ -2,11 +2,9 @@
 against plain torch on the concatenated elements, with uneven token counts — where a mean of per-process means
 (what the step reported before) differs; ``objective/kl`` is the KL controller's input."""
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from launcher import spawn_gloo
 
 from tether.ppo.metrics import objective_metrics, value_metrics
 from tether.ppo.processes import Processes
@@ -41,25 +39,9 @@ def metrics_on(rank: int, world_size: int, port: int, out) -> None:
         torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_process_metrics():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=metrics_on, args=(r, 2, port, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    return results
+    return spawn_gloo(metrics_on, 2)
 
 
 def pooled(key: str, mask_key: str = "mask") -> torch.Tensor:

@@ -150,6 +150,35 @@ def test_metrics_reach_the_tensorboard_tracker(files, tmp_path):
         assert logged == pytest.approx({r["step"]: r[key] for r in rows}, rel=1e-6), key
 
 
+def test_an_error_exit_of_a_launched_process_still_finishes_the_trackers(files, tmp_path):
+    """Issue #42: a process of `accelerate launch` ends with os._exit (tether.cli.main under WORLD_SIZE > 1), which
+    runs no atexit handler, so a run that stops with an error must finish its trackers itself: W&B marks an
+    unfinished run crashed, MLflow leaves it RUNNING. (accelerate's TensorBoard tracker flushes every log, so its
+    scalars are there either way.) The child does what cli.main does there, with the tracker's finish() recorded."""
+    pytest.importorskip("tensorboard", reason="pip install tensorboard (the [test] extra has it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, finished = tmp_path / "run", tmp_path / "finished"
+    args = base_args(files, out) + ["--reward", "bad_rules:fails_from_step_2", "--steps", "3", "--log-with",
+                                    "tensorboard", "--tracker-project", "tb"]
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path\n"
+            "from accelerate.tracking import TensorBoardTracker\n"
+            "finish = TensorBoardTracker.finish\n"
+            "def recorded(self):\n    Path(sys.argv[1]).write_text('finished'); finish(self)\n"
+            "TensorBoardTracker.finish = recorded\n"
+            "from tether.cli import main; from tether.ppo.processes import leave_without_teardown\n"
+            "leave_without_teardown(main(sys.argv[3:]))")
+    done = subprocess.run([sys.executable, "-c", code, str(finished), str(Path(__file__).parent), *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "rule fails_from_step_2: raised on every response" in done.stderr, done.stderr
+    assert finished.is_file()  # the tracker was finished before os._exit
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("objective/kl")} == pytest.approx({1: rows[0]["objective/kl"]})
+
+
 def _launch_two(args, log_dir, timeout=600):
     """``accelerate launch`` of ``tether ARGS`` on 2 CPU processes (tests/launcher.py: a free port; a failure
     or a timeout raises with each process's own stderr, from its log under ``log_dir``)."""
@@ -277,3 +306,17 @@ def test_a_launched_process_ends_without_the_interpreter_teardown(files, tmp_pat
     else:
         assert proc.returncode == 2 and "--log-with: 'nosuch'" in proc.stderr, proc.stderr[-2000:]
     assert ("TEARDOWN" in proc.stdout) == (world_size == "1")
+
+
+def test_kl_k3_clip_is_a_flag_defaulting_to_the_peers_10(files, tmp_path, capsys):
+    from tether.cli import build_parser
+    from tether.config import resolve_config
+    from tether.ppo.config import RunConfig
+
+    assert RunConfig().kl.k3_clip == 10.0
+    args = build_parser("ppo").parse_args(base_args(files, tmp_path / "run") + ["--kl-k3-clip", "0"])
+    assert resolve_config(RunConfig, args).kl.k3_clip == 0.0
+    assert main(base_args(files, tmp_path / "bad") + ["--kl-k3-clip", "-1"]) == 2
+    assert "--kl-k3-clip" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+

@@ -101,8 +101,10 @@ def test_checkpoints_by_time_are_on_by_default(files, tmp_path):
     assert [p.name for p in list_checkpoints(run)] == ["step_000001", "step_000002", "step_000003"]
 
 
-@pytest.mark.parametrize("rule", ["nan_some", "inf_some", "raises_some"])
+@pytest.mark.parametrize("rule", ["nan_some", "inf_some", "raises_some", "none_some", "garbage_some"])
 def test_rows_with_bad_scores_are_dropped_and_the_run_goes_on(files, tmp_path, rule):
+    """B16 (#38 item 5, #42 item 3): NaN, ±Inf, an exception on a row, TRL's None ("does not apply"), a string or a
+    list in place of a number — each costs its row (counted in health/dropped_rows, named in alerts), never the run."""
     cfg = tiny_config(tmp_path, *files, steps=3, reward__sources=[f"bad_rules:{rule}"],
                       reward__normalize="batch")
     run = train(cfg)
@@ -115,8 +117,12 @@ def test_rows_with_bad_scores_are_dropped_and_the_run_goes_on(files, tmp_path, r
     alerts = [json.loads(line)["alert"] for line in (run / "alerts.jsonl").read_text().splitlines()]
     dropped = [a for a in alerts if a.startswith("dropped ")]
     assert len(dropped) == sum(1 for r in got if r["health/dropped_rows"] > 0)
-    expected = "raised ValueError: cannot parse this reply" if rule == "raises_some" else "non-finite score"
-    assert expected in dropped[0] and "row " in dropped[0]
+    expected = {"raises_some": ["raised ValueError: cannot parse this reply"],
+                "none_some": ["no reward judged it (returned None (does not apply))"],
+                "garbage_some": ["raised ValueError: cannot parse this reply", "returned 'n/a' (str), not a number",
+                                 "returned [1.0] (list), not a number"]}.get(rule, ["non-finite score"])
+    assert all(any(text in a for a in dropped) for text in expected), dropped
+    assert "row " in dropped[0]
 
 
 def test_dropped_rows_leave_the_update(files, tmp_path, monkeypatch):
@@ -137,6 +143,31 @@ def test_dropped_rows_leave_the_update(files, tmp_path, monkeypatch):
     assert (e.advantages[bad] == 0).all() and (e.scores[bad] == 0).all()
     mask = e.response_mask.bool()
     assert abs(e.advantages[mask].mean().item()) < 1e-5  # whitened over the kept tokens only
+
+
+def test_a_trl_style_none_leaves_its_rows_out_of_a_grpo_update(files, tmp_path, monkeypatch):
+    """TRL's None ("does not apply") → NaN → the row is dropped (B16): no advantage, no place in its group's
+    statistics; the step runs. The rows are the ones the function itself returns None for."""
+    from bad_rules import none_some
+
+    from tether.ppo.setup import setup
+
+    seen, prompts_seen = [], []
+    real_epochs, real_rollout = step_module.ppo_epochs, step_module.rollout_batch
+    monkeypatch.setattr(step_module, "ppo_epochs",
+                        lambda run, cfg, e, step: (seen.append(e), real_epochs(run, cfg, e, step))[1])
+    monkeypatch.setattr(step_module, "rollout_batch", lambda models, cfg, rows, greedy=False: (
+        prompts_seen.append([r["prompt"] for r in rows]), real_rollout(models, cfg, rows, greedy))[1])
+    cfg = tiny_config(tmp_path, *files, reward__sources=["bad_rules:none_some"], advantage__estimator="grpo",
+                      samples_per_prompt=2, batch_size=8)
+    run = setup(cfg)
+    metrics = step_module.ppo_step(run, cfg, 1)
+    e = seen[0]
+    none_rows = torch.tensor([v is None for v in none_some(prompts_seen[0], [""] * len(prompts_seen[0]))])
+    assert none_rows.any() and not none_rows.all()
+    assert torch.equal(~e.valid, none_rows) and metrics["health/dropped_rows"] == none_rows.sum().item()
+    assert (e.advantages[none_rows] == 0).all() and (e.scores[none_rows] == 0).all()
+    assert metrics["ppo/updates"] > 0
 
 
 def test_a_nan_logit_skips_that_update_only(files, tmp_path, monkeypatch):
@@ -424,3 +455,72 @@ def test_a_run_saved_before_ppo_target_kl_resumes_only_with_its_early_stop(files
     check_same_config(cfg, tmp_path / "run")  # the same early stop: resumes
     save_config(cfg, tmp_path / "run" / "config.yaml")  # a run saved with the key: checked as any other key
     check_same_config(cfg, tmp_path / "run")
+
+
+def test_a_run_saved_before_kl_k3_clip_resumes_only_unclipped_if_it_used_k3(files, tmp_path):
+    """Runs saved before kl.k3_clip (#42) never clipped k3: resuming one that used k3 (kl.estimator k3 or
+    --kl-in loss) with the new default 10 would change its training, so --kl-k3-clip 0 is asked for; a run that
+    used k1 resumes as it is."""
+    import yaml
+
+    from tether.config import config_to_dict
+    from tether.ppo.resume import check_same_config
+
+    for estimator, penalty_in, refused in [("k3", "reward", True), ("k1", "loss", True), ("k1", "reward", False)]:
+        cfg = tiny_config(tmp_path, *files, kl__estimator=estimator, kl__penalty_in=penalty_in)
+        (tmp_path / "run").mkdir(exist_ok=True)
+        old = config_to_dict(cfg)
+        del old["kl"]["k3_clip"]
+        (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(old), encoding="utf-8")
+        if refused:
+            with pytest.raises(TetherError, match=r"--resume: kl.k3_clip is 10.0 but the run in .* was made with 0.0"):
+                check_same_config(cfg, tmp_path / "run")
+            cfg.kl.k3_clip = 0.0
+        check_same_config(cfg, tmp_path / "run")
+
+
+def test_a_gold_rule_that_fails_on_rows_costs_those_rows_not_the_evaluation(files, tmp_path):
+    """#38 item 5: the gold rule raising on a row, returning None, a string or +Inf: that row is not correct and
+    counted in eval/gold_failed, its sample says why; the other rows are judged as usual. Expected values from the
+    rule's own row kinds (prompt index mod 5: 0 raises, 1 +Inf, 2 "yes", 3 None, 4 correct)."""
+    from bad_rules import _index
+
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, eval__n=8, data__eval_fraction=0.25, reward__gold="bad_rules:gold_some")
+    metrics, samples = evaluate(setup(cfg), cfg, 0)
+    kinds = [i % 5 for i in _index([s["prompt"] for s in samples])]
+    assert len(samples) == 8 and 0 < kinds.count(4) < 8 and len(set(kinds)) >= 3
+    assert metrics["eval/gold_failed"] == sum(k != 4 for k in kinds)
+    assert metrics["eval/accuracy"] == kinds.count(4) / 8
+    assert metrics["eval/correct"] == "".join("1" if k == 4 else "0" for k in kinds)
+    why = {0: "raised ValueError: cannot verify this reply", 1: "returned inf", 2: "returned 'yes' (str), not a number",
+           3: "returned None (does not apply)"}
+    assert [s.get("gold_failed") for s in samples] == [why.get(k) for k in kinds]
+    assert [s["correct"] for s in samples] == [k == 4 for k in kinds]
+
+
+def test_judge_gold_by_hand():
+    """+Inf and NaN are no verdict: not correct, failed; 0 and 1 are verdicts."""
+    from types import SimpleNamespace
+
+    from tether.ppo.evaluate import judge_gold
+
+    cfg = SimpleNamespace(reward=SimpleNamespace(gold="python:g"))
+    verdicts, failed = judge_gold(cfg, lambda p, r: [1.0, math.inf, 0.0, math.nan, None], list("abcde"), list("abcde"),
+                                  {}, None)
+    assert verdicts[[0, 2]].tolist() == [1.0, 0.0] and torch.isnan(verdicts[[1, 3, 4]]).all()
+    assert failed == {1: "returned inf", 3: "returned nan", 4: "returned None (does not apply)"}
+    assert judge_gold(cfg, None, ["a"], ["b"], {}, None) == (None, {})
+
+
+def test_a_gold_rule_of_the_wrong_length_is_one_line_naming_gold(files, tmp_path):
+    from tether.ppo.evaluate import evaluate
+    from tether.ppo.setup import setup
+
+    cfg = tiny_config(tmp_path, *files, eval__n=8, data__eval_fraction=0.25, reward__gold="bad_rules:wrong_length")
+    with pytest.raises(TetherError, match=r"^--gold bad_rules:wrong_length: rule wrong_length: returned 9 scores for "
+                                          r"8 responses$"):
+        evaluate(setup(cfg), cfg, 0)
+

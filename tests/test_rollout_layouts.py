@@ -191,3 +191,23 @@ def test_vllm_layouts(files, tmp_path, layout):
     check_run(out, evaluated=True)
     if tensor_parallel:  # and the run leaves none of its own (it skips the interpreter's teardown)
         assert not [p.name for p in SHM_DIR.iterdir() if SEGMENT.fullmatch(p.name)]
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_runs_started_together_do_not_collide(files, tmp_path):
+    """#42: vLLM names its CPU tensor-parallel segments after the group alone (/dev/shm/-tp:0-[0-1]-cpushm_0 for
+    every run), so of two TP runs starting at the same moment on one machine the second failed to create them
+    (errno 17). Each run now names them with its own token: both start, train and leave no segment."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(f"vLLM is not installed: {INSTALL}")
+    runs = []
+    for name in ("a", "b"):
+        port, logs, out = free_port(), tmp_path / f"logs_{name}", tmp_path / name
+        args = ppo_args(files, out, "--engine", "vllm", "--engine-tp", "2", steps=1)
+        runs.append((start_launch(args, logs, config="fsdp2.yaml", processes=2, port=port), port, logs, out))
+    for proc, port, logs, out in runs:
+        finish_launch(proc, port, logs, timeout=900)
+        got = rows(out)
+        assert [r["step"] for r in got] == [1] and got[0]["rollout/logprob_gap_max"] <= 1e-4
+    assert not [p.name for p in SHM_DIR.iterdir() if SEGMENT.fullmatch(p.name)]
+

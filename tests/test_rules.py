@@ -278,3 +278,59 @@ def test_training_and_evaluation_pass_the_rollouts_eos_flags_to_rules(tmp_path, 
     ppo_step(c, cfg, 1)
     assert rule_flags[2] == rollouts[1] and len(rule_flags) == 3
     assert {True, False} <= set(rollouts[0] + rollouts[1])  # seeded: both kinds of reply occur
+
+
+# --- math-verify as a backend (#42 item 7) -----------------------------------------------------------------
+
+def test_math_verify_correct_by_hand():
+    pytest.importorskip("math_verify", reason="pip install 'tether[math-verify]' (the [test] extra has it)")
+    from tether.rules import math_verify_correct
+
+    responses = ["The answer is 18.", "So \\boxed{1,600} in all.", "The answer is 17.", "18", "The answer is 18.",
+                 "The answer is 18."]
+    answers = ["18", "1600", "18", "#### 18", "n/a", "18"]
+    eos = [True, True, True, True, True, False]
+    # right, right (boxed, LaTeX thousands), wrong, right (a GSM8K "#### N" gold), no verdict (the gold does not
+    # parse: TRL's None), truncated (0, as math_correct)
+    assert math_verify_correct(None, responses, answers, ended_with_eos=eos) == [1.0, 1.0, 0.0, 1.0, None, 0.0]
+    assert math_correct(None, responses, answers, ended_with_eos=eos) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_math_verify_reads_the_word_answer_as_its_anchor_and_tether_does_not():
+    """The disagreement measured on GSM8K's own solutions (docs/real-models.md): math-verify takes the number after
+    any "answer…" — "answered 200 calls" — as the reply's answer; tether reads the final "#### N"."""
+    pytest.importorskip("math_verify", reason="pip install 'tether[math-verify]' (the [test] extra has it)")
+    from tether.rules import math_verify_correct
+
+    reply = "She answered 200 calls over 5 days, so 200/5 = <<200/5=40>>40 calls a day\n#### 40"
+    assert math_correct(None, [reply], ["40"]) == [1.0]
+    assert math_verify_correct(None, [reply], ["40"]) == [0.0]
+
+
+def test_math_verify_missing_is_one_line_saying_how_to_install(monkeypatch):
+    import sys
+
+    from tether.rules import math_verify_correct
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    with pytest.raises(TetherError, match=r"^tether.rules:math_verify_correct needs Hugging Face's math-verify, "
+                                          r"which is not installed: pip install 'tether\[math-verify\]'"):
+        math_verify_correct(None, ["18"], ["18"])
+
+
+def test_a_gold_rule_that_cannot_run_stops_the_run_at_setup_naming_gold(tmp_path, monkeypatch):
+    """A shipped rule on an optional package is checked when loaded, before any file is written: math-verify
+    missing is one line naming --gold at setup, not an error at the first evaluation."""
+    import sys
+
+    from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+    from tether.ppo.setup import setup
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    cfg = tiny_config(tmp_path, make_policy_dir(tmp_path), make_prompts_file(tmp_path),
+                      reward__gold="tether.rules:math_verify_correct")
+    with pytest.raises(TetherError, match=r"^--gold tether.rules:math_verify_correct: tether.rules:math_verify_correct "
+                                          r"needs Hugging Face's math-verify"):
+        setup(cfg)
+    assert not (tmp_path / "run").exists()

@@ -262,6 +262,20 @@ def test_runconfig_is_exported_and_import_stays_light():
     assert out.strip() == "False" and tether.RunConfig is RunConfig
 
 
+def test_dir_lists_the_lazy_names_without_importing_them():
+    """Issue #42: tab completion (IPython, Jupyter, rlcompleter) offers what dir(tether) lists; the trainers are
+    resolved lazily, so the module's __dir__ must name them — and listing them imports nothing heavy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tether; names = dir(tether); print(sorted(set(tether.__all__) - set(names)), "
+            "'PPOTrainer' in names, 'transformers' in sys.modules, names == sorted(names))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True", "False", "True"]
+    assert {"PPOTrainer", "RewardTrainer", "RunConfig", "RewardModel", "Callback", "gae", "__version__"} <= set(
+        dir(tether))
+
+
 @pytest.mark.slow
 def test_under_two_processes_the_main_process_callback_stops_every_process(files, tmp_path):
     from launcher import accelerate_launch

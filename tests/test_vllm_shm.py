@@ -1,11 +1,14 @@
 """Stale shared memory of vLLM's CPU tensor-parallel groups (tether.rollout.vllm_shm): a segment of vLLM's naming that
-no live process maps is removed; one a live process maps, or of another naming, is kept. Runs without vLLM."""
+no live process maps is removed; one a live process maps, or of another naming, is kept; each run names its segments
+with its own token (two runs starting together on one machine do not collide). Runs without vLLM."""
 
 import mmap
 import subprocess
 import sys
 
-from tether.rollout.vllm_shm import SEGMENT, mapped_paths, remove_stale_segments
+import pytest
+
+from tether.rollout.vllm_shm import SEGMENT, mapped_paths, name_segments_after_run, remove_stale_segments
 
 
 def test_vllm_segment_names_are_recognised():
@@ -41,3 +44,39 @@ def test_a_mapping_of_this_process_counts(tmp_path):
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096):
         assert remove_stale_segments(tmp_path) == [] and path.exists()
     assert remove_stale_segments(tmp_path) == [path.name] and not path.exists()
+
+
+class FakeSHM:
+    """vLLM 0.32's name maker under external_launcher: its ident, "//" (from env://), the group, its ranks."""
+
+    @staticmethod
+    def make_group_name(communicator) -> str:
+        return f"//-{communicator}-[0-1]-cpushm"
+
+
+def test_each_run_names_its_segments_with_its_own_token():
+    name_segments_after_run("aa11", FakeSHM)
+    first = FakeSHM.make_group_name("tp:0")
+    assert first == "tetheraa11-tp:0-[0-1]-cpushm"
+    assert FakeSHM().make_group_name("tp:0") == first  # called on an instance, as vLLM's __init__ does
+    name_segments_after_run("bb22", FakeSHM)  # another run (or engine) in this process: replaced, not nested
+    assert FakeSHM.make_group_name("tp:0") == "tetherbb22-tp:0-[0-1]-cpushm"
+    assert SEGMENT.fullmatch(first + "_0") and "/" not in first  # still swept when stale; a plain shm name
+
+
+def test_vllms_own_name_maker_takes_the_token(monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    communicator = type("Communicator", (), {"unique_name": "tp:0", "ranks": [0, 1]})()
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what vLLM's CPU worker sets under external_launcher
+    vllms = _CPUSHMDistributed.__dict__["make_group_name"]
+    try:
+        assert _CPUSHMDistributed.make_group_name(communicator) == "//-tp:0-[0-1]-cpushm"  # every run's name
+        name_segments_after_run("cc33")
+        assert _CPUSHMDistributed.make_group_name(communicator) == "tethercc33-tp:0-[0-1]-cpushm"
+    finally:
+        _CPUSHMDistributed.make_group_name = vllms
+        if "_vllm_make_group_name" in vars(_CPUSHMDistributed):
+            del _CPUSHMDistributed._vllm_make_group_name
+

@@ -41,3 +41,9 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'tether' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and the lazy ones (IPython's and Jupyter's tab completion offer what ``dir()`` lists),
+    without importing them."""
+    return sorted({*globals(), *_LAZY})

@@ -5,6 +5,10 @@
 response ends by stating it as "The answer is N" (or a last line ``#### N``). Use it as
 ``--reward tether.rules:math_answer`` (``tether.rules:math_answer:format_bonus=0.2``).
 ``math_correct`` is the 0/1 gold check used for ``eval/accuracy``: the same parsing, no bonus.
+``math_verify_correct`` is the same 0/1 check by Hugging Face's math-verify (an optional extra, ``--gold`` or
+``--reward tether.rules:math_verify_correct``); the two agree on 99.7–100% of GSM8K's and SVAMP's reference
+answers and recorded model answers, and docs/real-models.md says where they differ (math-verify reads the number
+after any "answer…", "answered 200 calls", as the reply's answer).
 ``load_rule`` imports any rule named ``module:function[:key=value,...]`` (PPO reward sources, step rules).
 
 Numbers are read as people write them: ``18``, ``-7``, ``18.00`` (== 18), ``0.5``, ``.5``, ``1,234``
@@ -178,6 +182,41 @@ def math_answer(prompts: list[str], responses: list[str], answer: list | None = 
     return [c + b for c, b in zip(correct, bonus)]
 
 
+def math_verify_correct(prompts: list[str], responses: list[str], answer: list | None = None, ended_with_eos=None,
+                        **_) -> list[float | None]:
+    """:func:`math_correct` by Hugging Face's math-verify (what TRL's ``accuracy_reward`` and open-r1 check with;
+    ``pip install 'tether[math-verify]'``): 1.0 when ``verify(parse(gold), parse(response))``, else 0.0; None —
+    TRL's "does not apply" — where the gold answer does not parse (a training row is then dropped, B16; an
+    evaluation row counts in ``eval/gold_failed``). Both sides are read with math-verify's default extraction
+    (LaTeX, then plain expressions; ``\\boxed{}`` and "the answer is" first); a GSM8K answer ``"… #### N"`` is read
+    after its last ``####``. A response cut by ``max_new_tokens`` scores 0, as with :func:`math_correct`. Where the
+    two rules disagree, and why: docs/real-models.md."""
+    parse, verify = _math_verify()
+    ended = _check_columns("math_verify_correct", responses, answer, ended_with_eos)
+    out: list[float | None] = []
+    for response, gold, done in zip(responses, answer, ended):
+        gold_text = str(gold).rsplit("####", 1)[-1] if gold is not None else ""
+        gold_parsed = parse(gold_text, extraction_mode="first_match") if gold_text.strip() else []
+        if not gold_parsed:
+            out.append(None)
+        else:
+            out.append(1.0 if done and verify(gold_parsed, parse(response)) else 0.0)
+    return out
+
+
+def _math_verify():
+    """math-verify's ``parse`` and ``verify``, or a one-line error saying how to install it."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise TetherError("tether.rules:math_verify_correct needs Hugging Face's math-verify, which is not installed: "
+                          "pip install 'tether[math-verify]' (or pip install math-verify)") from None
+    return parse, verify
+
+
+NEEDS_PACKAGE = {"math_verify_correct": _math_verify}  # shipped rules on an optional package, checked when loaded
+
+
 def char_share(prompts: list[str], responses: list[str], char: str = "7", **_) -> list[float]:
     """Share of the response's characters equal to ``char`` (0 for an empty response): a toy reward
     that any policy can climb, for smoke tests and for watching PPO work."""
@@ -215,6 +254,11 @@ def load_rule(spec: str, flag: str = "--reward") -> Callable:
     fn = getattr(module, function_name, None)
     if not callable(fn):
         raise TetherError(f"{flag} {spec}: module {module_name!r} has no function {function_name!r}")
+    if module_name == __name__ and function_name in NEEDS_PACKAGE:  # an optional package: missing is said now
+        try:
+            NEEDS_PACKAGE[function_name]()
+        except TetherError as e:
+            raise TetherError(f"{flag} {spec}: {e}") from None
     if kwargs:
         base = fn
 

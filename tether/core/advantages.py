@@ -28,15 +28,23 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _global_moments(x: torch.Tensor, mask: torch.Tensor, distributed: bool):
-    """(count, mean, var) of valid elements, summed over all ranks when ``distributed``."""
-    mask = mask.to(x.dtype)
-    sums = torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]).double()
-    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
+    """(count, mean, var) of the valid elements in float64, over all ranks' when ``distributed``: two passes,
+    the mean first, then the mean of squared deviations from it (one all-reduce each).
+
+    Not E[x²] − mean² from float32 sums (tether before #42): that difference of two near-equal numbers cancels —
+    whitened outputs had std 1.15 at offset 100 / spread 0.1, 0.33 at 1000 / 0.1 and 5.7 at 3000 / 1 (issue #42
+    saw a variance of exactly 0 there, outputs ×10⁴). The deviations are taken in float64."""
+    x, mask = x.double(), mask.double()
+    reduce = distributed and torch.distributed.is_available() and torch.distributed.is_initialized()
+    sums = torch.stack([mask.sum(), (x * mask).sum()])
+    if reduce:
         torch.distributed.all_reduce(sums)
-    count, s1, s2 = sums[0].clamp(min=1.0), sums[1], sums[2]
-    mean = s1 / count
-    var = (s2 / count - mean * mean).clamp(min=0.0)
-    return count, mean.to(x.dtype), var.to(x.dtype)
+    count = sums[0].clamp(min=1.0)
+    mean = sums[1] / count
+    squares = (((x - mean) * mask) ** 2).sum()
+    if reduce:
+        torch.distributed.all_reduce(squares)
+    return count, mean, squares / count
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
@@ -44,14 +52,17 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     """Whitening (B8): ``(x − μ) / sqrt(σ² + eps)`` with μ, σ² over valid tokens only.
 
     With ``shift_mean=False`` the mean is kept: ``(x − μ)/σ + μ`` (scale only). Statistics are
-    population moments; with ``distributed=True`` they are over the valid tokens of all ranks.
-    Invalid positions are returned as 0. ``x``, ``mask``: (B, T) → (B, T).
+    population moments, two-pass in float64 (:func:`_global_moments`: veRL's and OpenRLHF's two passes, without
+    their float32 rounding); with ``distributed=True`` they are over the valid tokens of all ranks. The output
+    is computed in float64 and returned in ``x``'s dtype. Invalid positions are returned as 0.
+    ``x``, ``mask``: (B, T) → (B, T).
     """
     _, mean, var = _global_moments(x, mask, distributed)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    x64 = x.double()
+    out = (x64 - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask.to(x.dtype)
+    return (out * mask.double()).to(x.dtype)
 
 
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:

@@ -32,20 +32,32 @@ def _grouped(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k)
 
 
+TIE_RTOL = 1e-6  # a group's kept scores are tied when max − min ≤ TIE_RTOL · (1 + |max|): rounding noise
+
+
+def tied(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The one tie rule of the estimators, ``group/no_spread_fraction`` and the doctor: a group whose largest and
+    smallest kept scores satisfy ``high − low ≤ TIE_RTOL·(1 + |high|)`` has no signal, and every group baseline
+    gives it exactly 0. Not exact equality: scores that differ by float rounding (the sum of the same rewards in
+    another order, a reward model's batch-dependent kernels) are no signal either, and GRPO divides such a spread by
+    a std of the same size plus eps (1e-6), crediting a group the metric calls flat ±0.16 to ±0.48 (issue #42)."""
+    return high - low <= TIE_RTOL * (1.0 + high.abs())
+
+
 def _group_moments(scores: torch.Tensor, k: int, valid: torch.Tensor | None):
     """(s (G, K) with dropped rows 0, keep (G, K) bool, n (G, 1) kept rows, mean (G, 1) over kept rows, 0 if none,
-    high, low (G, 1): the largest and smallest kept score).
+    high, low (G, 1): the largest and smallest kept score, signal (G, 1): not :func:`tied`).
 
-    ``high > low`` (the group has signal) is why a tied group's baselined scores are exactly 0: its mean, a rounded
-    sum divided by n, can sit an ulp away from the common value (8 × 1.3 in float32), and GRPO would divide that
-    residual by a std of the same size plus eps, crediting a group with no signal ±0.1."""
+    ``signal`` is also why an exactly tied group's baselined scores are exactly 0: its mean, a rounded sum divided
+    by n, can sit an ulp away from the common value (8 × 1.3 in float32), and GRPO would divide that residual by a
+    std of the same size plus eps, crediting a group with no signal ±0.1."""
     keep = _grouped(torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool(), k)
     grouped = _grouped(scores, k)
     s = torch.where(keep, grouped, 0.0)
     n = keep.sum(dim=1, keepdim=True).to(scores.dtype)
     high = torch.where(keep, grouped, -torch.inf).amax(dim=1, keepdim=True)
     low = torch.where(keep, grouped, torch.inf).amin(dim=1, keepdim=True)
-    return s, keep, n, s.sum(dim=1, keepdim=True) / n.clamp(min=1.0), high, low
+    return s, keep, n, s.sum(dim=1, keepdim=True) / n.clamp(min=1.0), high, low, ~tied(high, low)
 
 
 def _group_std(s: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
@@ -60,10 +72,10 @@ def rloo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None)
         a_i = s_i − 1/(n−1) · Σ_{j ≠ i} s_j   ( = n/(n−1) · (s_i − s̄) ),
 
     over the n kept samples of the group (n = K when none was dropped). ``scores`` (B,) → (B,); a group with
-    fewer than 2 kept samples has no baseline and gets 0, and so does a group whose kept scores are all equal."""
-    s, keep, n, _, high, low = _group_moments(scores, k, valid)
+    fewer than 2 kept samples has no baseline and gets 0, and so does a group whose kept scores are :func:`tied`."""
+    s, keep, n, _, _, _, signal = _group_moments(scores, k, valid)
     others = (s.sum(dim=1, keepdim=True) - s) / (n - 1).clamp(min=1.0)
-    return torch.where(keep & (n >= 2) & (high > low), s - others, 0.0).flatten()
+    return torch.where(keep & (n >= 2) & signal, s - others, 0.0).flatten()
 
 
 def grpo_scores(scores: torch.Tensor, k: int, eps: float = 1e-6, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,11 +85,11 @@ def grpo_scores(scores: torch.Tensor, k: int, eps: float = 1e-6, valid: torch.Te
 
     the *sample* standard deviation of the group's n kept scores (``torch.std``'s default, as veRL's
     ``compute_grpo_outcome_advantage`` and OpenRLHF's ``group_norm`` use) and veRL's ``eps`` = 1e-6 (OpenRLHF adds
-    1e-9). A group whose kept scores are all equal gets exactly 0 (not the rounding residual of its mean over
+    1e-9). A group whose kept scores are :func:`tied` gets exactly 0 (not the rounding residual of its mean over
     eps: see ``_group_moments``). ``scores`` (B,) → (B,); fewer than 2 kept: 0."""
-    s, keep, n, mean, high, low = _group_moments(scores, k, valid)
+    s, keep, n, mean, _, _, signal = _group_moments(scores, k, valid)
     std = _group_std(s, keep, n, mean)
-    return torch.where(keep & (n >= 2) & (high > low), (s - mean) / (std + eps), 0.0).flatten()
+    return torch.where(keep & (n >= 2) & signal, (s - mean) / (std + eps), 0.0).flatten()
 
 
 def dr_grpo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,9 +99,9 @@ def dr_grpo_scores(scores: torch.Tensor, k: int, valid: torch.Tensor | None = No
         a_i = s_i − mean_g   over the group's kept samples.
 
     (The other half of Dr. GRPO, a loss normalised by a constant length instead of each response's own, is the
-    update's: ``tether.ppo.update``.) ``scores`` (B,) → (B,); a group whose kept scores are all equal: 0."""
-    s, keep, _, mean, high, low = _group_moments(scores, k, valid)
-    return torch.where(keep & (high > low), s - mean, 0.0).flatten()
+    update's: ``tether.ppo.update``.) ``scores`` (B,) → (B,); a group whose kept scores are :func:`tied`: 0."""
+    s, keep, _, mean, _, _, signal = _group_moments(scores, k, valid)
+    return torch.where(keep & signal, s - mean, 0.0).flatten()
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -148,16 +160,15 @@ def group_permutation(n_groups: int, k: int, generator: torch.Generator) -> torc
     return (groups[:, None] * k + torch.arange(k)).flatten()
 
 
-def group_spread(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None, rtol: float = 1e-6
-                 ) -> dict[str, torch.Tensor]:
+def group_spread(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per group (G,): ``std``, the sample std of its kept scores (0 with fewer than 2); ``no_spread``, True when
-    its kept scores are all equal (max − min ≤ rtol·(1 + |max|)): such a group gives every group baseline
-    a_i = 0, no signal; ``counted``, True for groups with at least 2 kept samples (the others say nothing);
-    ``high``/``low``, its largest and smallest kept score."""
-    s, keep, n, mean, high, low = _group_moments(scores, k, valid)
+    its kept scores are :func:`tied` (the estimators' rule): such a group gives every group baseline a_i = 0, no
+    signal; ``counted``, True for groups with at least 2 kept samples (the others say nothing); ``high``/``low``,
+    its largest and smallest kept score."""
+    s, keep, n, mean, high, low, signal = _group_moments(scores, k, valid)
     std = _group_std(s, keep, n, mean).squeeze(1)
     high, low = high.squeeze(1), low.squeeze(1)
     counted = n.squeeze(1) >= 2
-    no_spread = counted & (high - low <= rtol * (1.0 + high.abs()))
+    no_spread = counted & ~signal.squeeze(1)
     return {"std": torch.where(counted, std, 0.0), "no_spread": no_spread, "counted": counted,
             "high": high, "low": low}

@@ -3,7 +3,8 @@
 The per-token penalty estimates KL(π‖π_ref) from tokens sampled by π. With r = π_ref(a|s)/π(a|s):
   k1 = −log r = log π − log π_ref        (unbiased, can be negative)
   k2 = ½ (log r)²                        (biased, low variance, ≥ 0)
-  k3 = (r − 1) − log r                   (unbiased, ≥ 0; Schulman, "Approximating KL divergence", 2020)
+  k3 = (r − 1) − log r                   (unbiased, ≥ 0; Schulman, "Approximating KL divergence", 2020),
+                                         clipped at 10 by default as veRL and OpenRLHF do (``k3_clip``)
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_CLIP = 10.0  # veRL's low_var_kl and OpenRLHF's compute_approx_kl clamp k3 to [−10, 10]; TRL does not
 
 
-def kl_penalty(logprobs: torch.Tensor, logprobs_ref: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, logprobs_ref: torch.Tensor, estimator: str = "k1",
+               k3_clip: float = K3_CLIP) -> torch.Tensor:
     """Per-token KL estimate (B, T) from log π (``logprobs``) and log π_ref (``logprobs_ref``).
 
-    For k3 the log-ratio is clamped to [−20, 20] before ``exp`` so a token that π nearly never samples
-    cannot overflow; the clamp never binds for |log r| < 20.
+    k3 is clipped to at most ``k3_clip`` (``kl.k3_clip``; 0 = off, as TRL): k3 = min((r − 1) − log r, k3_clip).
+    The default 10 is veRL's and OpenRLHF's; it binds where log r > 2.61 (π_ref/π > 13.6) or log r < −11.0, and a
+    clipped token adds no gradient (``--kl-in loss``). Unclipped, one token at log r = 11.9 has k3 = 1.47e5: as a
+    loss term it is the update after the gradient-norm clip. Before ``exp`` the log-ratio is clamped to
+    [−20, 20] so a token that π nearly never samples cannot overflow.
     """
     log_r = logprobs_ref - logprobs  # log(π_ref/π), (B, T)
     if estimator == "k1":
@@ -26,7 +32,8 @@ def kl_penalty(logprobs: torch.Tensor, logprobs_ref: torch.Tensor, estimator: st
         return 0.5 * log_r**2
     if estimator == "k3":
         log_r = log_r.clamp(-20.0, 20.0)
-        return torch.expm1(log_r) - log_r
+        k3 = torch.expm1(log_r) - log_r
+        return k3.clamp(max=k3_clip) if k3_clip > 0 else k3
     raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
 
 

@@ -28,6 +28,7 @@ from statistics import NormalDist
 
 Z_MAX = 37.0  # z of p = 1e-300; a p that underflows to 0 is shown as this
 TREND_MIN_EVALS = 3  # a trend spans the best and at least two evaluations after it (two: McNemar's own test)
+TETHER_OFF_SHARE = 0.01  # β in force ≤ 1% of the run's first β counts as the tether off (adaptive: 7 halvings)
 
 
 def mcnemar_one_sided(worse: int, better: int) -> float:
@@ -144,12 +145,16 @@ class GoldPoint:
     z: float = 0.0
     reward_held: bool = True  # the reward kept at least half its gain since the first evaluation
     beta: float | None = None  # the KL coefficient at this evaluation (objective/kl_coef), when logged
+    beta_start: float | None = None  # the run's first logged KL coefficient (its kl.coef)
     interval: tuple[float, float, float] | None = None  # paired (diff, low, high) of accuracy − best
 
     @property
     def tether_off(self) -> bool:
-        """β = 0 at this evaluation, or β not logged."""
-        return self.beta is None or self.beta == 0
+        """β = 0 at this evaluation, β not logged, or β in force at most :data:`TETHER_OFF_SHARE` of the run's first
+        β: an adaptive controller that halved it every step the KL stayed under target left a tether in name only."""
+        if self.beta is None or self.beta <= 0:
+            return True
+        return self.beta_start is not None and self.beta <= TETHER_OFF_SHARE * self.beta_start
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -164,8 +169,8 @@ class GoldHistory:
     _correct: list[int | None] = field(default_factory=list)
 
     def update(self, step: int, accuracy: float, n: int, reward: float, correct: str | None = None,
-               beta: float | None = None) -> GoldPoint:
-        point = GoldPoint(step, accuracy, int(n), reward, beta=beta)
+               beta: float | None = None, beta_start: float | None = None) -> GoldPoint:
+        point = GoldPoint(step, accuracy, int(n), reward, beta=beta, beta_start=beta_start)
         if correct is not None and len(correct) != n:
             correct = None  # not the evaluation's problems: judged unpaired
         earlier = self.evaluations

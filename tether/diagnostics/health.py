@@ -301,6 +301,7 @@ class _Tracker:
         self.alarm_len = 0
         self.alerted = False  # an alert has been returned for this band
         self.first_alert: Alert | None = None
+        self.beta_start: float | None = None  # the first objective/kl_coef of the rows seen (the run's kl.coef)
 
     def _measure(self, step: int, value: float, row: dict) -> float | None:
         b, cfg = self.band, self.config
@@ -331,10 +332,12 @@ class _Tracker:
         correct = row.get("eval/correct")
         self.point = self.gold.update(step, value, int(n), reward,
                                       correct if isinstance(correct, str) else None,
-                                      _number(row.get("objective/kl_coef")))
+                                      _number(row.get("objective/kl_coef")), self.beta_start)
         return self.point.z if self.point.reward_held == (b.measure == "gold") else 0.0
 
     def update(self, step: int, row: dict, final: bool = False) -> Alert | None:
+        if self.beta_start is None:  # the run's first β: the gold bands judge the β in force against it
+            self.beta_start = _number(row.get("objective/kl_coef"))
         value = _number(row.get(self.band.key))
         if value is None:
             return None

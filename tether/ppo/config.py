@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tether.config import option
 from tether.core.group import CRITIC_FREE, ESTIMATORS, GROUP_BASELINES
+from tether.core.kl import K3_CLIP
 from tether.core.steps import AGGREGATIONS
 from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
@@ -109,6 +110,8 @@ class KLConfig:
     coef: float = option(0.05, "initial beta of the per-token KL penalty", low=0.0, flag="--kl-coef")
     estimator: str = option("k1", "per-token KL estimator (B5)", choices=("k1", "k2", "k3"),
                             flag="--kl-estimator")
+    k3_clip: float = option(K3_CLIP, "k3 per token clipped to at most this, as veRL and OpenRLHF do (kl.estimator "
+                            "k3, and the k3 loss term of --kl-in loss); 0 = off, as TRL", low=0.0, flag="--kl-k3-clip")
     controller: str = option("fixed", "beta controller (B11)", choices=("fixed", "adaptive", "proportional"),
                              flag="--kl-controller")
     target: float = option(0.01, "target per-token KL to the reference for the adaptive/proportional controller "

@@ -3,15 +3,18 @@ each response to the reference, and sample responses for ``samples/step_K.jsonl`
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from tether.core.kl import kl_penalty
 from tether.diagnostics.text import word_f1
+from tether.errors import TetherError
 from tether.ppo.forward import forward_response
 from tether.ppo.prompts import collate_fields
-from tether.ppo.sources import call_rule, score_responses
+from tether.ppo.rule_calls import NOT_APPLICABLE, call_rule
+from tether.ppo.sources import score_responses
 from tether.ppo.step import rollout_batch
 from tether.sharding import gathered
 
@@ -71,13 +74,15 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
         kls += kl
         # Rules get the EOS flags: the math rules never credit a reply cut by max_new_tokens.
         scores = score_responses(d.sources, prompts, responses, fields, rollout.ended_with_eos)
-        correct = call_rule(d.gold, prompts, responses, fields, rollout.ended_with_eos) if d.gold is not None else None
+        correct, gold_failed = judge_gold(cfg, d.gold, prompts, responses, fields, rollout.ended_with_eos)
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
             sample = {"prompt": prompt, "response": response, "score": float(scores[i]),
                       "kl": kl[i] if i < len(kl) else None,
                       "length": int(rollout.response_mask[i].sum()), "truncated": not bool(rollout.ended_with_eos[i])}
             if correct is not None:
-                sample["correct"] = bool(correct[i] > 0.5)
+                sample["correct"] = bool(correct[i] > 0.5)  # NaN (the gold rule failed on the row): not correct
+            if i in gold_failed:
+                sample["gold_failed"] = gold_failed[i]
             samples.append(sample)
         scores_all.append(scores)
         if correct is not None:
@@ -89,8 +94,10 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
                "eval/response_length": sum(s["length"] for s in samples) / len(samples),
                "eval/distinct_responses": distinct_fraction([s["response"] for s in samples])}
     if correct_all:
-        correct = (torch.cat(correct_all) > 0.5).tolist()
+        gold = torch.cat(correct_all)
+        correct = (gold > 0.5).tolist()  # a row the gold rule failed on (NaN) counts as not correct
         metrics["eval/accuracy"] = sum(correct) / len(correct)
+        metrics["eval/gold_failed"] = int((~torch.isfinite(gold)).sum())
         # Per-problem results in prompt order, the same prompts at every evaluation: the gold band pairs
         # evaluations problem by problem (an exact McNemar test), which an accuracy alone cannot (D1).
         metrics["eval/correct"] = "".join("1" if c else "0" for c in correct)
@@ -109,8 +116,25 @@ def sequence_kl(run, cfg, model, rollout, n: int) -> list[float]:
             with m.policy.reference_model(model) as reference:
                 logprobs_ref, _, _ = forward_response(reference, part, cfg.generation.temperature,
                                                       need_entropy=False, options=m.forward)
-        out += (kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator) * part.response_mask).sum(dim=1).tolist()
+        kl = kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator, k3_clip=cfg.kl.k3_clip)
+        out += (kl * part.response_mask).sum(dim=1).tolist()
     return out
+
+
+def judge_gold(cfg, gold, prompts, responses, fields, ended_with_eos) -> tuple[torch.Tensor | None, dict[int, str]]:
+    """The gold rule's (B,) verdicts, NaN on the rows it failed on, and ``{row: why}`` for those (B16, #38): it
+    raised on the row, returned a non-number, None or a non-finite value. A result of the wrong length, or a failure
+    on every row, is a one-line error naming ``--gold``. No gold rule: (None, {})."""
+    if gold is None:
+        return None, {}
+    errors, not_applicable = {}, set()
+    try:
+        verdicts = call_rule(gold, prompts, responses, fields, ended_with_eos, errors, not_applicable)
+    except TetherError as e:
+        raise TetherError(f"--gold {cfg.reward.gold}: {e}") from None
+    failed = {i: errors.get(i, NOT_APPLICABLE if i in not_applicable else f"returned {v}")
+              for i, v in enumerate(verdicts.tolist()) if not math.isfinite(v)}
+    return torch.where(torch.isfinite(verdicts), verdicts, math.nan), failed  # +Inf is no verdict either
 
 
 def distinct_fraction(responses: list[str]) -> float:

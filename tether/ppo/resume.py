@@ -137,6 +137,9 @@ def check_same_config(cfg, run_dir: Path) -> None:
         raise TetherError(f"{saved_path}: not a readable config; cannot check --resume against it") from None
     if "ppo.target_kl" not in saved and "kl.target" in saved:  # saved before the key: its early stop read kl.target
         saved["ppo.target_kl"] = saved["kl.target"]
+    if "kl.k3_clip" not in saved:  # saved before the key (#42): a run that used k3 never clipped it
+        used_k3 = saved.get("kl.estimator") == "k3" or saved.get("kl.penalty_in") == "loss"
+        saved["kl.k3_clip"] = 0.0 if used_k3 else cfg.kl.k3_clip
     for key, value, then in config_differences(cfg, saved, RESUMABLE_CHANGES + ("output_dir",))[:1]:
         raise TetherError(f"--resume: {key} is {value!r} but the run in {run_dir} was made with {then!r} "
                           f"(config.yaml); resume with the same settings or start a new --output-dir")

@@ -7,6 +7,7 @@ console lines. On every other process each method does nothing, so the run loop 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -98,6 +99,7 @@ class RunLog:
         self.trackers = tracker_names(cfg)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.alerts_path = self.run_dir / "alerts.jsonl"
+        self.closed = False  # the trackers finished
 
     def start(self, cfg, resumed_at: int | None) -> list[dict]:
         """Prepare the run directory (after a resume: drop rows past the checkpoint), save the config,
@@ -150,9 +152,22 @@ class RunLog:
 
             tqdm.write(message, file=sys.stderr)
 
+    @contextlib.contextmanager
+    def closed_on_error(self):
+        """Finish the trackers when the body raises, then re-raise: a process of a launch ends with ``os._exit``
+        (tether.ppo.processes.leave_without_teardown), so no atexit handler would, and an unfinished tracker run is
+        lost or left open (W&B: crashed; MLflow: RUNNING)."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
+
     def close(self) -> None:
+        """Finish the trackers, once (the end of a run, or an error on the way: :meth:`closed_on_error`)."""
         # The trackers only: accelerator.end_training() would also destroy the process group, which the run's
         # last collectives (rank digests, export) still use; Processes.close() leaves it, on every process.
-        if self.enabled and self.trackers:
+        if self.enabled and self.trackers and not self.closed:
+            self.closed = True
             for tracker in self.accelerator.trackers:
                 tracker.finish()

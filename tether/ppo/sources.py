@@ -12,13 +12,14 @@ sources' summed scores, B4 applies to it) and the dense channel (per-step PRM re
 Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
 reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
 rule can refuse to credit truncated replies; rules that don't name it and take no ``**fields`` never see it.
-Sequence scores are summed. Then: length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or
-running z-score) and clipping to [−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
+A rule is called through :func:`tether.ppo.rule_calls.call_rule` (a bad row costs the row, B16). Sequence scores
+are summed, a rule counting only on the rows it judged (None: "does not apply", :func:`judged_sum`). Then:
+length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or running z-score) and clipping to
+[−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,82 +28,11 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
+from tether.ppo.rule_calls import NOT_APPLICABLE, call_rule, with_eos_field  # call_rule: setup, evaluate use it here
 from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
 
 
-EOS_FIELD = "ended_with_eos"
 PYTHON = "python:"  # the spec of a reward given from Python as an object (tether.ppo.inputs names it)
-
-
-def with_eos_field(fields: dict[str, list], ended_with_eos=None) -> dict[str, list]:
-    """``fields`` plus the reserved ``ended_with_eos`` list (bools, from a (B,) tensor or a list); ``fields``
-    itself when ``ended_with_eos`` is None."""
-    if ended_with_eos is None:
-        return fields
-    if EOS_FIELD in fields:
-        raise TetherError(f"prompt rows have a column {EOS_FIELD!r}: tether reserves that name for rules "
-                          f"(whether each response ended with EOS); rename the column")
-    flags = ended_with_eos.tolist() if hasattr(ended_with_eos, "tolist") else list(ended_with_eos)
-    return {**fields, EOS_FIELD: [bool(f) for f in flags]}
-
-
-def _rule_name(fn) -> str:
-    return getattr(fn, "__name__", str(fn))
-
-
-def _numbers(fn, out, n: int) -> list[float]:
-    """The rule's output as ``n`` floats (NaN/Inf kept: the PPO step drops those rows, B16); a wrong length
-    or a value that is not a number is a one-line error (a bug in the rule, not in one row)."""
-    try:
-        out = list(out)
-    except TypeError:
-        raise TetherError(f"rule {_rule_name(fn)}: returned {type(out).__name__}, not a list of numbers") from None
-    if len(out) != n:
-        raise TetherError(f"rule {_rule_name(fn)}: returned {len(out)} scores for {n} responses")
-    values = []
-    for v in out:
-        if isinstance(v, (str, bytes)) or v is None:
-            raise TetherError(f"rule {_rule_name(fn)}: returned {v!r} ({type(v).__name__}), not a number")
-        try:
-            values.append(float(v))
-        except (TypeError, ValueError):
-            raise TetherError(f"rule {_rule_name(fn)}: returned {v!r} ({type(v).__name__}), not a number") from None
-    return values
-
-
-def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: dict[str, list],
-              ended_with_eos=None, errors: dict | None = None) -> torch.Tensor:
-    """Call a rule with the prompt rows' other columns as keyword lists, plus ``ended_with_eos`` when given
-    (only the keywords it accepts, unless it takes ``**fields``); check it returned one number per response.
-
-    A rule that raises on the batch is called again row by row: rows that still raise score NaN (the PPO
-    step drops them, B16) and ``errors`` (when given) gets ``{row: "ExcType: message"}``; a rule that raises
-    on every row is a one-line error. Non-finite scores are returned as they are."""
-    fields = with_eos_field(fields, ended_with_eos)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        fields = {k: v for k, v in fields.items() if k in params}
-    try:
-        return torch.tensor(_numbers(fn, fn(prompts, responses, **fields), len(responses)), dtype=torch.float32)
-    except TetherError:
-        raise
-    except Exception:  # noqa: BLE001 - a rule is user code: isolate the rows it fails on
-        pass
-    values, failed = [], {}
-    for i in range(len(responses)):
-        try:
-            out = fn(prompts[i:i + 1], responses[i:i + 1], **{k: v[i:i + 1] for k, v in fields.items()})
-            values += _numbers(fn, out, 1)
-        except TetherError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            values.append(math.nan)
-            failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-    if len(failed) == len(responses):
-        raise TetherError(f"rule {_rule_name(fn)}: raised on every response ({failed[0]})")
-    if errors is not None:
-        errors.update(failed)
-    return torch.tensor(values, dtype=torch.float32)
 
 
 class RuleSource:
@@ -112,13 +42,16 @@ class RuleSource:
         self.name = spec
         self.fn = fn if fn is not None else load_rule(spec)
 
-    def scores_and_errors(self, prompts, responses, fields) -> tuple[torch.Tensor, dict[int, str]]:
-        """(B,) scores (NaN where the rule raised on the row) and ``{row: "ExcType: message"}`` of those rows."""
+    def judge(self, prompts, responses, fields) -> tuple[torch.Tensor, dict[int, str], set[int]]:
+        """(B,) scores, ``{row: "raised ExcType: message"}`` for the rows it failed on (NaN) and the rows it
+        returned None for (NaN: TRL's "does not apply"), :func:`call_rule`."""
         errors: dict[int, str] = {}
-        return call_rule(self.fn, prompts, responses, fields, errors=errors), errors
+        not_applicable: set[int] = set()
+        return call_rule(self.fn, prompts, responses, fields, errors=errors, not_applicable=not_applicable), \
+            errors, not_applicable
 
     def __call__(self, prompts, responses, fields) -> torch.Tensor:
-        return self.scores_and_errors(prompts, responses, fields)[0]
+        return self.judge(prompts, responses, fields)[0]
 
 
 class RewardModelSource:
@@ -332,11 +265,35 @@ def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos:
     return torch.where(valid, scores, 0.0)
 
 
+def judged_sum(parts: list[tuple[torch.Tensor, set[int]]], n: int, all_judged: bool = False) -> torch.Tensor:
+    """(n,) float32 Σ of the sources' (n,) scores, each counting only on the rows it judged (not in its set of
+    rows it returned None for): TRL sums reward functions with ``nansum`` so that one that does not apply to a row
+    leaves the others' score. A row that no source judged is NaN (dropped, B16) unless ``all_judged`` (a source
+    outside ``parts``, a per-step PRM, judged every row)."""
+    total = torch.zeros(n, dtype=torch.float32)
+    judged = torch.full((n,), all_judged or not parts)
+    for scores, not_applicable in parts:
+        skip = torch.zeros(n, dtype=torch.bool)
+        skip[list(not_applicable)] = True
+        total += torch.where(skip, 0.0, scores.float().cpu())
+        judged |= ~skip
+    return torch.where(judged, total, math.nan)
+
+
 def score_responses(sources: list, prompts: list[str], responses: list[str], fields: dict,
                     ended_with_eos=None) -> torch.Tensor:
-    """Σ over sources of their (B,) scores; rules also get ``ended_with_eos`` when given (see call_rule)."""
+    """Σ over sources of their (B,) scores (:func:`judged_sum`: a rule's None leaves the row to the others);
+    rules also get ``ended_with_eos`` when given (see call_rule)."""
     fields = with_eos_field(fields, ended_with_eos)
-    return torch.stack([source(prompts, responses, fields) for source in sources]).sum(dim=0)
+    judged = [judge(source, prompts, responses, fields) for source in sources]
+    return judged_sum([(scores, not_applicable) for scores, _, not_applicable in judged], len(responses))
+
+
+def judge(source, prompts, responses, fields) -> tuple[torch.Tensor, dict[int, str], set[int]]:
+    """A source's (B,) scores, the rows it failed on and the rows it does not apply to (rules only:
+    :meth:`RuleSource.judge`; a model scores every row)."""
+    return source.judge(prompts, responses, fields) if isinstance(source, RuleSource) else \
+        (source(prompts, responses, fields), {}, set())
 
 
 @dataclass(frozen=True)
@@ -349,7 +306,8 @@ class RewardScores:
     - ``dense`` (B, T): the step rewards of per-step PRMs on the tokens that end the steps (zeros if none);
       outside B4.
 
-    ``errors``: ``{row: "SOURCE raised ExcType: message"}`` for the rows a rule raised on (their score is NaN)."""
+    ``errors``: why a row's score is NaN where a rule made it so: ``{row: "SOURCE raised ExcType: message"}`` (or
+    "SOURCE returned ..., not a number"), or that every rule returned None for it (does not apply)."""
 
     sequence: torch.Tensor
     dense: torch.Tensor
@@ -368,19 +326,21 @@ def score_rollout(sources: list, prompts: list[str], responses: list[str], field
     (its valid tokens, special tokens skipped), ``fields`` the prompt rows' other columns; rules also get
     ``ended_with_eos``. ``tokenizer``: the policy's, to find the token that ends each PRM step."""
     fields = with_eos_field(fields, rollout.ended_with_eos)
-    sequence = torch.zeros(len(responses), dtype=torch.float32)
     dense = torch.zeros(tuple(rollout.response.shape), dtype=torch.float32)
     errors: dict[int, str] = {}
+    parts, dense_sources = [], False
     for source in sources:
         if getattr(source, "dense", False):
             rewards, ends = source.step_rewards(prompts, responses)
             dense += dense_step_rewards(rewards, ends, rollout.response.cpu(), rollout.response_mask.cpu(),
                                         tokenizer)
-            continue
-        if hasattr(source, "scores_and_errors"):
-            scores, raised = source.scores_and_errors(prompts, responses, fields)
-            errors.update({row: f"{source.name} raised {e}" for row, e in raised.items() if row not in errors})
+            dense_sources = True
         else:
-            scores = source(prompts, responses, fields)
-        sequence += scores.float().cpu()
+            scores, failed, not_applicable = judge(source, prompts, responses, fields)
+            errors.update({row: f"{source.name} {e}" for row, e in failed.items() if row not in errors})
+            parts.append((scores, not_applicable))
+    sequence = judged_sum(parts, len(responses), all_judged=dense_sources)
+    for row in torch.isnan(sequence).nonzero().flatten().tolist():
+        if row not in errors and all(row in skipped for _, skipped in parts):
+            errors[row] = f"no reward judged it ({NOT_APPLICABLE})"
     return RewardScores(sequence=sequence, dense=dense, errors=errors)

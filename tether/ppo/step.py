@@ -106,7 +106,7 @@ def ppo_step(run, cfg, step: int) -> dict:
                                              d.running_scores, valid, gather=p.all_gather)
         # 5d. Per-token rewards (B5): −β·KL_t on every token (β = 0 here when the KL is a loss term instead,
         # kl.penalty_in), the sequence score on the last one, each step reward on the token that ends its step.
-        kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator) * response_mask  # (B, T)
+        kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator, k3_clip=cfg.kl.k3_clip) * response_mask  # (B, T)
         beta_reward = o.kl_controller.value if cfg.kl.penalty_in == "reward" else 0.0
         rewards = shaped_rewards(sequence_scores, kl, beta_reward, response_mask) + step_rewards * response_mask
         scores = sequence_scores + step_rewards.sum(dim=1)  # what each response earned in all (objective/scores)

@@ -121,7 +121,8 @@ class PPOTrainer:
         self.last_row: dict = {}
         self.result: TrainResult | None = None
         if cfg.eval.every and cfg.eval.at_start and self.steps_done == 0:
-            self.log.metrics({"step": 0, **self.evaluated(0)})
+            with self.log.closed_on_error():
+                self.log.metrics({"step": 0, **self.evaluated(0)})
 
     def step(self) -> StepRecord:
         """The next PPO step (:func:`~tether.ppo.step.ppo_step`), its evaluation when due, callbacks, health alerts,
@@ -162,9 +163,12 @@ class PPOTrainer:
         return record
 
     def train(self) -> TrainResult:
-        """Run the remaining steps, then :meth:`finish`."""
-        while self.steps_done < self.cfg.steps and self.stopped is None:
-            self.step()
+        """Run the remaining steps, then :meth:`finish`; a step that raises finishes the trackers first (#42)."""
+        if self.result is not None:  # finished, or a rollout process (it served until the trainers stopped)
+            return self.result
+        with self.log.closed_on_error():
+            while self.steps_done < self.cfg.steps and self.stopped is None:
+                self.step()
         return self.finish()
 
     def finish(self) -> TrainResult:

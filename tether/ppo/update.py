@@ -150,7 +150,7 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
         if entropy_coef > 0:
             loss = loss - entropy_coef * token_mean(entropy)
         if cfg.kl.penalty_in == "loss":
-            kl_loss = token_mean(kl_penalty(logprobs, mb.logprobs_ref, "k3"))
+            kl_loss = token_mean(kl_penalty(logprobs, mb.logprobs_ref, "k3", k3_clip=cfg.kl.k3_clip))
             loss = loss + run.optim.kl_controller.value * kl_loss
             stats["policy/kl_loss"] = kl_loss.item()
         stats.update({"policy/loss": policy_loss.item(),

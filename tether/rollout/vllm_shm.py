@@ -9,7 +9,9 @@ next tensor-parallel run on the machine fail at start-up with ``create shm in SH
 
 So: once every process has joined its group's segments the names are unlinked (the mappings keep the memory for
 as long as the processes live), and before an engine starts, segments of that naming which no live process maps
-(left by a run killed while its engine started) are removed.
+(left by a run killed while its engine started) are removed. And each run names its segments with a token of its
+own (:func:`name_segments_after_run`, ``tether{token}-tp:0-[0-1]-cpushm_0``), so that two tensor-parallel runs
+starting at the same moment on one machine do not both create (or sweep) the same names.
 """
 
 from __future__ import annotations
@@ -21,6 +23,20 @@ from pathlib import Path
 SHM_DIR = Path("/dev/shm")
 # vLLM 0.32 _CPUSHMDistributed.make_group_name + the C++ SHMManager's "_{rank}" suffix
 SEGMENT = re.compile(r".*-\[[0-9-]+\]-cpushm_[0-9]+")
+
+
+def name_segments_after_run(token: str, shm_class=None) -> None:
+    """Prefix vLLM's CPU shared-memory group names with ``tether{token}`` (the same token on every process of the
+    run: the processes of a group must agree on its name, which vLLM checks). vLLM derives the prefix from its
+    init method, ``env://`` under ``external_launcher`` (the same for every run), and sets it inside the engine's
+    start-up, so the name maker itself is wrapped (vLLM 0.32 ``_CPUSHMDistributed.make_group_name``); calling
+    this again replaces the token. ``shm_class``: that class (default: vLLM's)."""
+    if shm_class is None:
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed as shm_class
+    vllm_name = getattr(shm_class, "_vllm_make_group_name", shm_class.make_group_name)
+    shm_class._vllm_make_group_name = vllm_name
+    # vLLM's prefix is "//" under env://, which shm_open drops: the name starts at "-tp:0-..."
+    shm_class.make_group_name = staticmethod(lambda communicator: f"tether{token}{vllm_name(communicator).lstrip('/')}")
 
 
 def unlink_joined_segments() -> list[str]:
