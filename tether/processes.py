@@ -1,8 +1,10 @@
-"""The run's processes (SPEC C4): the accelerator, this process's rank, the cross-process reductions the step's
-metrics need, and the one place that decides what only the main process does (``is_main``).
+"""A run's processes (SPEC C4), shared by the stages that train (PPO, SFT): the accelerator, this process's rank,
+the cross-process reductions the metrics need, and the one place that decides what only the main process does
+(``is_main``).
 
-:func:`make_processes` opens them: DDP across processes, or FSDP2 when the launch config asks for it, with the
-run's collective timeout; accelerate's own mixed precision is ignored on purpose (C5, see there).
+:func:`open_processes` opens them: DDP across processes, or FSDP2 when the launch config asks for it, with the
+run's collective timeout; accelerate's own mixed precision is ignored on purpose (C5, see there). PPO adds its
+rollout layout on top (:func:`tether.ppo.processes.make_processes`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 import torch
 from torch import nn
 
-from tether.rollout.layout import Link, launch_layout, trainers_world
 from tether.sharding import FsdpSettings, fsdp_settings, set_gradient_sync
 
 if TYPE_CHECKING:
@@ -26,14 +27,14 @@ if TYPE_CHECKING:
 @dataclass
 class Processes:
     """This process among the run's processes. Metrics are reduced over all of them; files, trackers
-    and console lines come from the main process only (see :class:`tether.ppo.train.RunLog`)."""
+    and console lines come from the main process only (see :class:`tether.runlog.RunLog`)."""
 
     accelerator: Accelerator
     device: torch.device
     world_size: int
     rank: int
     fsdp: FsdpSettings | None = None  # the launch config asked for FSDP2 (tether.sharding)
-    link: Link | None = None  # disaggregated layout: the groups to the rollout processes (tether.rollout.layout)
+    link: object | None = None  # PPO's disaggregated layout: a tether.rollout.layout.Link to the rollout processes
     closing: list[Callable[[], None]] = field(default_factory=list)  # run by close() while the group still exists
 
     @property
@@ -134,10 +135,10 @@ def leave_without_teardown(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def make_processes(cfg) -> Processes:
-    """The accelerator (DDP across processes, or FSDP2 when the launch config asks for it; trackers from
-    ``--log-with``, logging under the run directory). On CPU the accelerator runs gloo processes (it would
-    wrap in DDP whatever the config says): the FSDP settings are read here and applied by :func:`setup`.
+def open_processes(output_dir: str, trackers: list[str], model_dtype: str, timeout_minutes: float) -> Processes:
+    """The accelerator (DDP across processes, or FSDP2 when the launch config asks for it; the experiment
+    ``trackers``, logging under ``output_dir``). On CPU the accelerator runs gloo processes (it would wrap in DDP
+    whatever the config says): the FSDP settings are read here and applied by the stage's setup.
 
     accelerate's mixed precision is ignored on purpose (``mixed_precision="no"``; tether owns precision through
     ``--model-dtype``, C5): it would autocast what ``prepare`` wraps but not the frozen reference (step-1 KL ≠ 0),
@@ -148,26 +149,18 @@ def make_processes(cfg) -> Processes:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    from tether.ppo.runlog import check_trackers, tracker_names
-
-    trackers = tracker_names(cfg)
-    check_trackers(trackers)
-    layout = launch_layout(cfg)
-    trainers_world(layout)  # disaggregated: the run's process group is the trainers' (the last ranks only generate)
-    # The collective timeout: the others wait while process 0 alone writes a checkpoint or the final policy, on
+    # The collective timeout: the others wait while process 0 alone writes a checkpoint or the final model, on
     # a big model or a busy machine longer than torch's default (NCCL 10 min: its watchdog then aborts them).
     # (accelerate passes only a value other than its own default, 10 min; at exactly 10, gloo keeps its 30.)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None,
-                              project_dir=cfg.output_dir, mixed_precision="no",
+                              project_dir=output_dir, mixed_precision="no",
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
-                                               InitProcessGroupKwargs(
-                                                   timeout=timedelta(minutes=cfg.collective_timeout_minutes))])
-    note = ignored_mixed_precision_note(os.environ.get("ACCELERATE_MIXED_PRECISION", ""), cfg.model.dtype)
+                                               InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))])
+    note = ignored_mixed_precision_note(os.environ.get("ACCELERATE_MIXED_PRECISION", ""), model_dtype)
     if note and accelerator.is_main_process:
         print(note, file=sys.stderr)
-    link = Link(layout, cfg.collective_timeout_minutes) if layout.rollouts else None
     return Processes(accelerator, accelerator.device, accelerator.num_processes, accelerator.process_index,
-                     fsdp=fsdp_settings(), link=link)
+                     fsdp=fsdp_settings())
 
 
 def ignored_mixed_precision_note(setting: str, model_dtype: str) -> str:

@@ -18,7 +18,6 @@ running z-score) and clipping to [−c, c] (:func:`postprocess_scores`). Sources
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,82 +26,11 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
+from tether.rule_calls import EOS_FIELD, call_rule, with_eos_field  # noqa: F401 - this module's API before the move
 from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
 
 
-EOS_FIELD = "ended_with_eos"
 PYTHON = "python:"  # the spec of a reward given from Python as an object (tether.ppo.inputs names it)
-
-
-def with_eos_field(fields: dict[str, list], ended_with_eos=None) -> dict[str, list]:
-    """``fields`` plus the reserved ``ended_with_eos`` list (bools, from a (B,) tensor or a list); ``fields``
-    itself when ``ended_with_eos`` is None."""
-    if ended_with_eos is None:
-        return fields
-    if EOS_FIELD in fields:
-        raise TetherError(f"prompt rows have a column {EOS_FIELD!r}: tether reserves that name for rules "
-                          f"(whether each response ended with EOS); rename the column")
-    flags = ended_with_eos.tolist() if hasattr(ended_with_eos, "tolist") else list(ended_with_eos)
-    return {**fields, EOS_FIELD: [bool(f) for f in flags]}
-
-
-def _rule_name(fn) -> str:
-    return getattr(fn, "__name__", str(fn))
-
-
-def _numbers(fn, out, n: int) -> list[float]:
-    """The rule's output as ``n`` floats (NaN/Inf kept: the PPO step drops those rows, B16); a wrong length
-    or a value that is not a number is a one-line error (a bug in the rule, not in one row)."""
-    try:
-        out = list(out)
-    except TypeError:
-        raise TetherError(f"rule {_rule_name(fn)}: returned {type(out).__name__}, not a list of numbers") from None
-    if len(out) != n:
-        raise TetherError(f"rule {_rule_name(fn)}: returned {len(out)} scores for {n} responses")
-    values = []
-    for v in out:
-        if isinstance(v, (str, bytes)) or v is None:
-            raise TetherError(f"rule {_rule_name(fn)}: returned {v!r} ({type(v).__name__}), not a number")
-        try:
-            values.append(float(v))
-        except (TypeError, ValueError):
-            raise TetherError(f"rule {_rule_name(fn)}: returned {v!r} ({type(v).__name__}), not a number") from None
-    return values
-
-
-def call_rule(fn: Callable, prompts: list[str], responses: list[str], fields: dict[str, list],
-              ended_with_eos=None, errors: dict | None = None) -> torch.Tensor:
-    """Call a rule with the prompt rows' other columns as keyword lists, plus ``ended_with_eos`` when given
-    (only the keywords it accepts, unless it takes ``**fields``); check it returned one number per response.
-
-    A rule that raises on the batch is called again row by row: rows that still raise score NaN (the PPO
-    step drops them, B16) and ``errors`` (when given) gets ``{row: "ExcType: message"}``; a rule that raises
-    on every row is a one-line error. Non-finite scores are returned as they are."""
-    fields = with_eos_field(fields, ended_with_eos)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        fields = {k: v for k, v in fields.items() if k in params}
-    try:
-        return torch.tensor(_numbers(fn, fn(prompts, responses, **fields), len(responses)), dtype=torch.float32)
-    except TetherError:
-        raise
-    except Exception:  # noqa: BLE001 - a rule is user code: isolate the rows it fails on
-        pass
-    values, failed = [], {}
-    for i in range(len(responses)):
-        try:
-            out = fn(prompts[i:i + 1], responses[i:i + 1], **{k: v[i:i + 1] for k, v in fields.items()})
-            values += _numbers(fn, out, 1)
-        except TetherError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            values.append(math.nan)
-            failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-    if len(failed) == len(responses):
-        raise TetherError(f"rule {_rule_name(fn)}: raised on every response ({failed[0]})")
-    if errors is not None:
-        errors.update(failed)
-    return torch.tensor(values, dtype=torch.float32)
 
 
 class RuleSource:
