@@ -17,7 +17,6 @@ the file and the line or row (``skip_invalid``: skipped and counted instead).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tether.conversations import check_messages
 from tether.errors import DataError
@@ -82,8 +81,8 @@ def row_from_record(record, where: str) -> SFTRow:
     present = {k for k, v in record.items() if v is not None}
     if "messages" in present:
         messages = check_messages(record["messages"], where, "messages", last_role="assistant")
-        if len(messages) < 2 or not any(m["role"] == "user" for m in messages[:-1]):
-            raise DataError(f"{where}: field 'messages': needs a user turn before the assistant's reply")
+        if len(messages) < 2 or messages[-2]["role"] != "user":
+            raise DataError(f"{where}: field 'messages': the last assistant reply must answer a user turn")
         if not messages[-1]["content"].strip():
             raise DataError(f"{where}: field 'messages': the last assistant reply is empty")
         columns = {k: v for k, v in record.items() if k != "messages"}
@@ -111,7 +110,8 @@ def _rows_of(records: list[tuple[int, object]], location, stats: RowStats, skip_
             if not skip_invalid:
                 raise
             stats.invalid += 1
-            stats.invalid_examples[:1] = stats.invalid_examples[:1] or [str(e)]
+            if not stats.invalid_examples:
+                stats.invalid_examples.append(str(e))
     stats.kept += len(rows)
     return rows
 
@@ -126,7 +126,8 @@ def load_rows(paths: list[str], skip_invalid: bool = False) -> tuple[list[SFTRow
         records = read_records(path, skip_invalid=skip_invalid, skipped=bad)
         stats.rows += len(bad)
         stats.invalid += len(bad)
-        stats.invalid_examples[:1] = stats.invalid_examples[:1] or bad[:1]
+        if bad and not stats.invalid_examples:
+            stats.invalid_examples.append(bad[0])
         rows += _rows_of(records, lambda n, p=path: record_location(p, n), stats, skip_invalid)
     if not rows:
         raise DataError(f"{', '.join(map(str, paths))}: no usable rows ({stats.summary()})")
@@ -151,9 +152,6 @@ def read_rows(files: list[str], given, name: str, skip_invalid: bool) -> tuple[l
     """Rows from Python (``given``) when there are some, else from ``files``."""
     if given is not None:
         return rows_from_data(given, name, skip_invalid)
-    missing = [f for f in files if not Path(f).exists()]
-    if missing:
-        raise DataError(f"{missing[0]}: file not found")
     return load_rows(files, skip_invalid)
 
 

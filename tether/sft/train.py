@@ -139,7 +139,8 @@ class SFTTrainer:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{row['sft/loss']:.4f}", lr=f"{row['sft/lr']:.3g}")
         stop = run.processes.broadcast(self.callbacks.stop_reason)
-        if checkpoint_due(run, cfg, step, self.last_save) or (stop and step < run.total_steps):
+        last = step == run.total_steps  # the policy is written next: a checkpoint would have nothing to resume
+        if not last and (checkpoint_due(run, cfg, step, self.last_save) or stop):
             record.checkpoint = self.save(step)
         if stop:
             self.stopped = stop
