@@ -88,7 +88,7 @@ def gold_accuracy(run, cfg) -> tuple[dict, list[dict]]:
     for start in range(0, len(rows), cfg.eval.batch_size):
         chunk = rows[start:start + cfg.eval.batch_size]
         prompts = [r["prompt"] for r in chunk]
-        rollout, responses = generate_responses(engine, run.tokenizer, prompts, prompting, cfg.eval.max_new_tokens,
+        rollout, responses = generate_responses(engine, run.tokenizer, prompts, prompting, run.eval_max_new_tokens,
                                                 run.processes.device, greedy=True, precision=run.precision)
         verdicts = call_rule(run.gold, prompts, responses, collate_fields(chunk), rollout.ended_with_eos)
         for i, (prompt, response) in enumerate(zip(prompts, responses)):

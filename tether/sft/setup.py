@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,7 +22,7 @@ from tether.precision import Precision
 from tether.processes import Processes, open_processes
 from tether.sft.batches import StepStream, check_packing, packing_layout
 from tether.sft.config import SFTConfig
-from tether.sft.data import RowStats, SFTRow, prompt_row, read_rows
+from tether.sft.data import SFTRow, prompt_row, read_rows
 from tether.sft.tokens import Example, TextFormat, encode_rows, text_format
 from tether.sharding import FsdpSettings
 
@@ -62,6 +63,7 @@ class SFTRun:
     eval_rows: list[dict]          # prompts (with their columns) for gold accuracy
     gold: Callable | None          # rule of eval/accuracy
     total_steps: int
+    eval_max_new_tokens: int       # eval.max_new_tokens, capped by the model's context (gold_answer_length)
     fsdp: FsdpSettings | None = None
     data_info: dict = field(default_factory=dict)
 
@@ -177,6 +179,28 @@ def gold_setup(cfg: SFTConfig, given: Given, held_out: list[SFTRow]) -> tuple[li
     return rows, gold_rule(cfg.eval.gold, rows, given.gold) if rows else None
 
 
+def gold_answer_length(cfg: SFTConfig, tokenizer, fmt: TextFormat, model_config, rows: list[dict],
+                       say: bool = True) -> int:
+    """``eval.max_new_tokens``, or less when the longest gold prompt plus it would run past the model's positions
+    (a note says so: position embeddings indexed past their end fail mid-run)."""
+    from tether.hf import context_positions
+    from tether.rollout.sampling import encode_prompts
+
+    context, wanted = context_positions(model_config), cfg.eval.max_new_tokens
+    if not rows or not context or cfg.eval.max_prompt_length + wanted <= context:
+        return wanted
+    widths = [encode_prompts(tokenizer, [r["prompt"]], cfg.eval.max_prompt_length, fmt.use_chat_template,
+                             fmt.system_prompt, fmt.prompt_template)[0].shape[1] for r in rows[:cfg.eval.n]]
+    room = context - max(widths)
+    if room < 1:
+        raise TetherError(f"--eval-prompts: a prompt of {max(widths)} tokens fills the model's {context} positions; "
+                          f"lower eval.max_prompt_length")
+    if room < wanted and say:
+        print(f"note: gold answers capped at {room} new tokens (--max-new-tokens {wanted} + the longest prompt, "
+              f"{max(widths)} tokens, > the model's {context} positions)", file=sys.stderr)
+    return min(room, wanted)
+
+
 def setup(cfg: SFTConfig, given: Given) -> SFTRun:
     """The run of ``cfg`` (checked); ``given``: what Python handed over in place of paths."""
     from transformers.utils import logging as hf_logging
@@ -199,6 +223,7 @@ def setup(cfg: SFTConfig, given: Given) -> SFTRun:
     train, info["train"] = encode_rows(tokenizer, rows, fmt)
     held_out, info["held_out"] = encode_rows(tokenizer, held_rows, fmt) if held_rows else ([], {})
     eval_rows, gold = gold_setup(cfg, given, held_rows)
+    answer_length = gold_answer_length(cfg, tokenizer, fmt, model.config, eval_rows, processes.is_main) if gold else 0
     layout = packing_layout(model, cfg.data.packing)
     if layout is not None:
         check_packing(model, layout, next(model.parameters()).device)
@@ -212,4 +237,4 @@ def setup(cfg: SFTConfig, given: Given) -> SFTRun:
                 trainable_parameters=sum(p.numel() for p in params), format="chat" if fmt.use_chat_template else "plain",
                 packing=layout or "off")
     return SFTRun(processes, model_, unwrapped, tokenizer, fmt, precision, layout, optimizer, scheduler, scaler,
-                  params, stream, train, held_out, eval_rows, gold, total, processes.fsdp, info)
+                  params, stream, train, held_out, eval_rows, gold, total, answer_length, processes.fsdp, info)
