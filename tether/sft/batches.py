@@ -13,7 +13,7 @@ generator as the epoch began: the epoch's micro-batches are drawn again, the sam
 length into rows no longer than the longest sequence (``row_length``; None: one row — what varlen attention
 kernels want); position ids restart at 0 with every sequence and no attention mask is passed, which transformers
 (≥ 5.19, :func:`transformers.masking_utils.find_packed_sequence_indices`) turns into a block-diagonal causal mask:
-no sequence attends to, or takes positions from, another. A row's leftover positions are padding, a sequence of
+no sequence attends to, or takes positions from, another. A row's leftover positions are filler, a sequence of
 their own. The first token of every sequence is never a label, so no token is predicted across a boundary. Same
 tokens, same positions, same attention as padded: the same loss up to float rounding
 (``tests/test_sft_packing.py``), with less padding computed.
@@ -102,11 +102,13 @@ def packed_batch(examples: list[Example], pad_id: int, one_row: bool = False) ->
     return Batch(torch.tensor(ids), torch.tensor(labels), None, torch.tensor(positions))
 
 
-def make_batch(examples: list[Example], pad_id: int, packing: str | None) -> Batch:
-    """A micro-batch: ``packing`` None (padded), ``"rows"`` (packed rows) or ``"one_row"``."""
+def make_batch(examples: list[Example], tokenizer, packing: str | None) -> Batch:
+    """A micro-batch: ``packing`` None (padded with the pad token), ``"rows"`` (packed rows) or ``"one_row"``. Packed
+    rows end in EOS tokens where they are short: a pad token at a row's end, with no attention mask, would have
+    transformers warn that the input may be padded (it is a sequence of its own, never trained, either way)."""
     if packing is None:
-        return padded_batch(examples, pad_id)
-    return packed_batch(examples, pad_id, one_row=packing == "one_row")
+        return padded_batch(examples, tokenizer.pad_token_id)
+    return packed_batch(examples, tokenizer.eos_token_id, one_row=packing == "one_row")
 
 
 def packing_layout(model, packing: bool) -> str | None:

@@ -59,8 +59,8 @@ def held_out_loss(run, batch_size: int) -> dict:
     nll_sum, tokens = 0.0, 0
     try:
         for start in range(0, len(order), batch_size):
-            batch = make_batch([run.held_out[i] for i in order[start:start + batch_size]],
-                               run.tokenizer.pad_token_id, run.packing)
+            batch = make_batch([run.held_out[i] for i in order[start:start + batch_size]], run.tokenizer,
+                               run.packing)
             with run.precision.autocast():
                 logits = model(**batch.model_inputs(device)).logits  # (N, L, V)
             loss, n = token_nll(logits, batch.labels.to(device))

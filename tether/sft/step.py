@@ -30,10 +30,9 @@ def backward_micro_batches(run, micro_batches: list[list[int]], step_tokens: int
     """Step 2 on this process: forward and backward of each micro-batch. Returns ``(Σ_b L_b · n_b, Σ n_b,
     sequences, positions computed)`` of this process."""
     p, device = run.processes, run.processes.device
-    pad_id = run.tokenizer.pad_token_id
     nll_sum, tokens, sequences, positions = 0.0, 0, 0, 0
     for k, indices in enumerate(micro_batches):
-        batch = make_batch([run.train[i] for i in indices], pad_id, run.packing)
+        batch = make_batch([run.train[i] for i in indices], run.tokenizer, run.packing)
         with p.no_sync([run.model], last=k == len(micro_batches) - 1):
             with run.precision.autocast():
                 logits = run.model(**batch.model_inputs(device)).logits  # (N, L, V)
