@@ -252,3 +252,65 @@ def test_the_demos_sft_equals_its_former_loop_bit_for_bit():
     stats = sft_train(new, tok, problems, steps=9, batch_size=16, lr=3e-3, seed=2, progress=False)
     assert stats["steps"] == 9
     assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+
+
+def test_sft_trainer_is_lazy_and_import_stays_light():
+    import subprocess
+    import sys
+
+    from tether.sft.config import SFTConfig
+    from tether.sft.train import SFTTrainer
+
+    code = "import sys, tether; tether.SFTConfig; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False" and tether.SFTTrainer is SFTTrainer and tether.SFTConfig is SFTConfig
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_bf16_computes_with_fp32_masters_and_exports_bf16(tiny, tmp_path, lora):
+    model, data = tiny
+    trainer = tether.SFTTrainer(config(tmp_path, model, data, **{"model.dtype": "bf16", "model.lora_r": lora,
+                                                                  "optim.max_steps": 2}))
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)  # the masters
+    assert all(p.dtype == torch.bfloat16 for p in frozen) and (len(frozen) > 0) == bool(lora)  # a LoRA base
+    result = trainer.train()
+    assert math.isfinite(result.metrics["sft/loss"])
+    saved = weights(result.run_dir)
+    assert all(v.dtype == torch.bfloat16 for v in saved.values() if v.is_floating_point())
+    assert json.loads((result.run_dir / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_non_finite_steps_are_skipped_and_stop_the_run_after_three(tiny, tmp_path, monkeypatch):
+    import tether.sft.step as step_mod
+
+    model, data = tiny
+    real = step_mod.token_nll
+    monkeypatch.setattr(step_mod, "token_nll", lambda logits, labels: (real(logits, labels)[0] * math.nan,
+                                                                       real(logits, labels)[1]))
+    alerts = []
+
+    class Alerts(tether.Callback):
+        def on_alert(self, alert):
+            alerts.append(alert)
+
+    trainer = tether.SFTTrainer(config(tmp_path, model, data), callbacks=[Alerts()])
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.step()
+    trainer.step()
+    with pytest.raises(TetherError, match=r"^step 3: 3 consecutive steps with a non-finite loss or gradient"):
+        trainer.step()
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())  # no update applied
+    assert len(alerts) == 3 and "update skipped" in alerts[0]
+    rows = [json.loads(line) for line in (trainer.run_dir / "alerts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_trackers_get_the_rows_and_their_files_stay_in_the_policy_directory(tiny, tmp_path):
+    pytest.importorskip("tensorboard", reason="pip install tensorboard (the [test] extra has it)")
+    model, data = tiny
+    result = tether.SFTTrainer(config(tmp_path, model, data, **{"log_with": ["tensorboard"],
+                                                                 "optim.max_steps": 2})).train()
+    events = list((result.run_dir / "tether").rglob("events.out.tfevents.*"))
+    assert events and (result.run_dir / "model.safetensors").is_file()

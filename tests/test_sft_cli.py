@@ -105,3 +105,11 @@ def test_the_sft_output_is_the_policy_of_train_rm_and_ppo(files, tmp_path):
     row = json.loads((ppo / "metrics.jsonl").read_text().splitlines()[0])
     assert row["step"] == 1 and row["objective/kl"] == 0.0  # the reference is the SFT policy itself
     assert Path(ppo / "policy" / "model.safetensors").is_file()
+
+
+def test_report_plots_an_sft_run(files, tmp_path, capsys):
+    out = tmp_path / "sft"
+    assert main(sft_args(files, out, "--eval-fraction", "0.25", "--eval-every", "1", "--gold", "none")) == 0
+    assert main(["report", str(out), "-o", str(tmp_path / "report.html")]) == 0
+    html = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "SFT: loss per labelled token" in html

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 
@@ -56,7 +57,9 @@ def optimizer_step(run, max_grad_norm: float) -> tuple[float, float, bool]:
         run.scaler.step(run.optimizer)
         run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
+    with warnings.catch_warnings():  # a skipped update: the schedule still advances (torch warns of the order)
+        warnings.simplefilter("ignore", UserWarning)
+        run.scheduler.step()
     return grad_norm, lr, applied
 
 

@@ -39,6 +39,12 @@ from tether.sft.step import sft_step
 def name_given(cfg: SFTConfig, given: Given) -> None:
     """Record what Python handed over as ``python:NAME`` in the config (saved in config.yaml, compared on resume);
     a ``python:`` setting whose object was not given again is a one-line error."""
+    for key, obj, value in (("data.files", given.train_data, cfg.data.files),
+                            ("data.eval_files", given.eval_data, cfg.data.eval_files),
+                            ("eval.prompts", given.eval_prompts, [cfg.eval.prompts] if cfg.eval.prompts else []),
+                            ("model.path", given.model, [cfg.model.path] if cfg.model.path else [])):
+        if obj is not None and value and not all(v.startswith(PYTHON) for v in value):
+            raise ConfigError(f"{key} {','.join(value)}: given from Python as well; give one or the other")
     if given.train_data is not None and not cfg.data.files:
         cfg.data.files = [PYTHON + "train_data"]
     if given.eval_data is not None and not cfg.data.eval_files:
