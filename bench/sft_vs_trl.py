@@ -7,8 +7,10 @@ written in its order and read by TRL in file order: ``bench/trl_sft.py``), the s
 precision, 2 threads each, each run in a fresh process; pairs alternate tether and TRL. Modes: ``padded`` (both
 right-pad each micro-batch) and ``packed`` (tether ``--packing``: rows no longer than the longest sequence; TRL
 ``padding_free=True``: each micro-batch flattened into one row). Reported per mode: the median seconds per step
-(first step dropped) and tokens/s (every sequence token; padding not counted) of each side, the ratio TRL / tether
-(> 1: tether faster) with its min–max over pairs, the largest per-step loss gap between the two curves, peak RSS.
+(first step dropped) and tokens/s (every sequence token; padding not counted) of each side, by wall clock and by the
+process's CPU seconds (all threads; a loaded shared machine disturbs it far less than the wall clock), the ratio
+TRL / tether (> 1: tether faster) with its min–max over pairs, the largest per-step loss gap, peak RSS. The tether
+side runs :class:`tether.SFTTrainer` step by step in a fresh process (``--tether-run``), as ``tether sft`` does.
 
 Models: ``small`` / ``medium`` (a GPT-2 of 0.8M / 10.7M parameters built from a config, the demo's character
 tokenizer, as bench/ppo_step.py), or ``smollm2`` (SmolLM2-135M-Instruct through its chat template; the
@@ -82,28 +84,62 @@ def prepare(root: Path, model: str, rows: int, a) -> tuple[Path, Path, Path, lis
     return Path(model_dir), data, trl_data, tokens
 
 
-def run_tether(model_dir: Path, data: Path, out: Path, packed: bool, a) -> tuple[list[float], list[float], float]:
-    cmd = [sys.executable, "-m", "tether", "sft", "--model", str(model_dir), "--data", str(data), "--output-dir",
-           str(out), "--max-steps", str(a.steps), "--batch-size", str(a.batch_size), "--grad-accumulation",
-           str(a.grad_accumulation), "--lr", str(a.lr), "--lr-schedule", "linear", "--eval-fraction", "0",
-           "--max-length", str(a.max_length), "--save-every-minutes", "0", "--progress", "false", "--gold", "none"]
-    subprocess.run(cmd + (["--packing"] if packed else []), check=True, capture_output=True, text=True, env=ENV)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    meta = json.loads((out / "tether_sft.json").read_text())
-    return [r["perf/seconds_step"] for r in rows], [r["sft/loss"] for r in rows], meta["run"]["peak_rss_mb"]
+def tether_config(model_dir: Path, data: Path, out: Path, packed: bool, a) -> dict:
+    """The SFTConfig of the tether side: what ``tether sft --model DIR --data FILE --max-steps … --lr-schedule linear
+    --eval-fraction 0 --gold none [--packing]`` sets."""
+    return {"model": {"path": str(model_dir)}, "output_dir": str(out), "progress": False, "save_every_minutes": 0,
+            "data": {"files": [str(data)], "eval_fraction": 0.0, "max_length": a.max_length, "packing": packed},
+            "optim": {"max_steps": a.steps, "batch_size": a.batch_size, "grad_accumulation": a.grad_accumulation,
+                      "lr": a.lr, "schedule": "linear"}, "eval": {"gold": "none"}}
 
 
-def run_trl(python: str, model_dir: Path, trl_data: Path, out: Path, packed: bool, a
-            ) -> tuple[list[float], list[float], float]:
+def tether_process(config_file: str, out_file: str) -> None:
+    """The tether side in a fresh process (``--tether-run``): SFTTrainer step by step, wall and CPU seconds each."""
+    import resource
+    import time
+
+    import torch
+
+    from tether.sft.train import SFTTrainer
+
+    torch.set_num_threads(2)
+    trainer = SFTTrainer(json.loads(Path(config_file).read_text()))
+    wall, cpu, losses = [], [], []
+    for _ in range(trainer.run.total_steps):
+        started, cpu_started = time.perf_counter(), time.process_time()
+        losses.append(trainer.step().metrics["sft/loss"])
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
+    trainer.finish()
+    Path(out_file).write_text(json.dumps({"seconds_per_step": wall, "cpu_seconds_per_step": cpu, "losses": losses,
+                                          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def run_tether(model_dir: Path, data: Path, out: Path, packed: bool, a) -> dict:
+    config = out.with_suffix(".config.json")
+    config.write_text(json.dumps(tether_config(model_dir, data, out, packed, a)))
+    result = out.with_suffix(".json")
+    subprocess.run([sys.executable, __file__, "--tether-run", str(config), str(result)], check=True,
+                   capture_output=True, text=True, env=ENV)
+    return json.loads(result.read_text())
+
+
+def run_trl(python: str, model_dir: Path, trl_data: Path, out: Path, packed: bool, a) -> dict:
     cmd = [python, str(HERE / "trl_sft.py"), "--model", str(model_dir), "--data", str(trl_data), "--steps",
            str(a.steps), "--batch-size", str(a.batch_size), "--grad-accumulation", str(a.grad_accumulation),
            "--lr", str(a.lr), "--threads", "2", "--out", str(out)] + (["--padding-free"] if packed else [])
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=ENV)
-    result = json.loads(out.read_text())
-    return result["seconds_per_step"], result["losses"], result["peak_rss_mib"]
+    return json.loads(out.read_text())
+
+
+def median_after_first(xs: list[float]) -> float:
+    return statistics.median(xs[1:])
 
 
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--tether-run":
+        tether_process(sys.argv[2], sys.argv[3])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trl-python", required=True, help="python of a virtual environment with trl==1.16.0")
     p.add_argument("--model", choices=[*SIZES, "smollm2"], default="medium")
@@ -130,28 +166,38 @@ def main() -> int:
                 ours = run_tether(model_dir, data, root / f"tether_{mode}_{pair}", packed, a)
                 theirs = run_trl(a.trl_python, model_dir, trl_data, root / f"trl_{mode}_{pair}.json", packed, a)
                 results[mode].append({"tether": ours, "trl": theirs, "load": load()})
-                t, r = statistics.median(ours[0][1:]), statistics.median(theirs[0][1:])
-                gap = max(abs(x - y) for x, y in zip(ours[1], theirs[1]))
-                print(f"pair {pair + 1} {mode}: tether {t:.3f} s/step, TRL {r:.3f} s/step, ratio {r / t:.2f}, "
-                      f"loss gap {gap:.2e}; load {load()}", flush=True)
-    tokens_per_step = statistics.mean(tokens[1:])
-    print()
-    for mode, runs in results.items():
-        t = [statistics.median(x["tether"][0][1:]) for x in runs]
-        r = [statistics.median(x["trl"][0][1:]) for x in runs]
-        ratios = [b / c for c, b in zip(t, r)]
-        gap = max(abs(x - y) for run in runs for x, y in zip(run["tether"][1], run["trl"][1]))
-        print(f"{a.model} {mode}: tether {tokens_per_step / statistics.median(t):.0f} tokens/s "
-              f"({statistics.median(t):.3f} s/step), TRL {tokens_per_step / statistics.median(r):.0f} tokens/s "
-              f"({statistics.median(r):.3f} s/step); TRL / tether = {statistics.median(ratios):.2f} "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f}, {len(runs)} pairs); largest loss gap {gap:.2e}; "
-              f"peak RSS tether {statistics.median(x['tether'][2] for x in runs):.0f} MiB, "
-              f"TRL {statistics.median(x['trl'][2] for x in runs):.0f} MiB")
-        print(f"  loss curve (pair 1): tether {' '.join(f'{x:.4f}' for x in runs[0]['tether'][1])}")
-        print(f"                       TRL    {' '.join(f'{x:.4f}' for x in runs[0]['trl'][1])}")
+                tw, rw = (median_after_first(x["seconds_per_step"]) for x in (ours, theirs))
+                tc, rc = (median_after_first(x["cpu_seconds_per_step"]) for x in (ours, theirs))
+                gap = max(abs(x - y) for x, y in zip(ours["losses"], theirs["losses"]))
+                print(f"pair {pair + 1} {mode}: wall tether {tw:.3f} TRL {rw:.3f} s/step (ratio {rw / tw:.2f}); CPU "
+                      f"tether {tc:.3f} TRL {rc:.3f} s/step (ratio {rc / tc:.2f}); loss gap {gap:.2e}; "
+                      f"load {load()}", flush=True)
+    summarise(results, tokens, a)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "tokens_per_step": tokens, "runs": results}, indent=1))
     return 0
+
+
+def summarise(results: dict, tokens: list[int], a) -> None:
+    """Per mode: tokens/s of each side by wall and CPU seconds, the ratios' medians and spreads, the loss gap."""
+    per_step = statistics.mean(tokens[1:])
+    print()
+    for mode, runs in results.items():
+        line = [f"{a.model} {mode}:"]
+        for clock, key in (("wall", "seconds_per_step"), ("CPU", "cpu_seconds_per_step")):
+            t = [median_after_first(x["tether"][key]) for x in runs]
+            r = [median_after_first(x["trl"][key]) for x in runs]
+            ratios = [b / c for c, b in zip(t, r)]
+            line.append(f"{clock}: tether {per_step / statistics.median(t):.0f} tokens/s, TRL "
+                        f"{per_step / statistics.median(r):.0f} tokens/s, TRL / tether {statistics.median(ratios):.2f} "
+                        f"({min(ratios):.2f}-{max(ratios):.2f});")
+        gap = max(abs(x - y) for run in runs for x, y in zip(run["tether"]["losses"], run["trl"]["losses"]))
+        line.append(f"largest loss gap {gap:.2e}; peak RSS tether "
+                    f"{statistics.median(x['tether']['peak_rss_mib'] for x in runs):.0f} MiB, TRL "
+                    f"{statistics.median(x['trl']['peak_rss_mib'] for x in runs):.0f} MiB")
+        print(" ".join(line))
+        print(f"  loss curve (pair 1): tether {' '.join(f'{x:.4f}' for x in runs[0]['tether']['losses'])}")
+        print(f"                       TRL    {' '.join(f'{x:.4f}' for x in runs[0]['trl']['losses'])}")
 
 
 if __name__ == "__main__":
