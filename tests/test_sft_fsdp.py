@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from launcher import accelerate_launch
 from safetensors.torch import load_file
 from test_sft import rows_file

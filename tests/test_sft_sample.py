@@ -144,3 +144,28 @@ def test_smollm2_with_a_system_prompt_and_a_template_writes_the_context_it_sampl
                                  "Answer with a number.", "Q: {prompt}")
     rendered = tok.apply_chat_template(rows[0]["messages"][:2], tokenize=False, add_generation_prompt=True)
     assert tok.decode(query[0][mask[0].bool()]) == rendered  # the rows hold the very context sampled in
+
+
+def test_sample_with_the_vllm_engine(tmp_path):
+    """The optional engine: the same contract (K adjacent samples a prompt, ended_with_eos to the rule, the counts).
+    Skips where vLLM is not installed; CI runs it in its vLLM environment."""
+    from tether.rollout.vllm_engine import INSTALL
+    from tiny import make_llama_chat_dir
+
+    pytest.importorskip("vllm", reason=f"vLLM is not installed: {INSTALL}")
+    policy = make_llama_chat_dir(tmp_path)  # heads 32 wide: vLLM's CPU kernels take them
+    prompts = make_prompts_file(tmp_path, n=3)
+    seen = []
+
+    def judge(prompts, responses, ended_with_eos=None, **_):
+        seen.append((list(prompts), list(ended_with_eos)))
+        return [1.0] * len(responses)
+
+    result = rejection_sample({"model": {"policy": str(policy)}, "data": {"prompts": str(prompts)},
+                               "output": str(tmp_path / "v.jsonl"), "samples_per_prompt": 4, "progress": False,
+                               "generation": {"engine": "vllm", "max_new_tokens": 6},
+                               "accept": {"require_eos": False}}, reward={"judge": judge})
+    file_rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    assert [p for batch, _ in seen for p in batch] == [r["prompt"] for r in file_rows for _ in range(4)]
+    assert result.counts["samples"] == 12 and 3 <= result.counts["kept"] <= 12
+    assert result.counts["prompts_with_kept"] == 3
