@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import tether
-from tether.errors import TetherError
+from tether.errors import ConfigError, TetherError
 from tether.demo.task import build_policy, build_tokenizer, make_problems
 from tiny import make_llama_chat_dir, make_policy_dir
 
@@ -314,3 +314,18 @@ def test_trackers_get_the_rows_and_their_files_stay_in_the_policy_directory(tiny
                                                                  "optim.max_steps": 2})).train()
     events = list((result.run_dir / "tether").rglob("events.out.tfevents.*"))
     assert events and (result.run_dir / "model.safetensors").is_file()
+
+
+def test_objects_from_python_are_named_and_must_come_again_to_resume(tiny, tmp_path):
+    model, data = tiny
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    cfg = config(tmp_path, model, data)
+    with pytest.raises(ConfigError, match=r"^data.files .*sft.jsonl: train_data= was given from Python as well"):
+        tether.SFTTrainer(cfg, train_data=rows)
+    cfg["data"]["files"] = []
+    tether.SFTTrainer(cfg, train_data=rows, callbacks=[StopAt(1)]).train()
+    saved = str(tmp_path / "out" / "config.yaml")
+    with pytest.raises(ConfigError, match=r"^data.files python:train_data: was given from Python; give it again "
+                                          r"\(SFTTrainer\(\.\.\., train_data=\.\.\.\)\)"):
+        tether.SFTTrainer(saved, resume=True)
+    assert tether.SFTTrainer(saved, train_data=rows, resume=True).train().steps == 6

@@ -37,31 +37,29 @@ from tether.sft.step import sft_step
 
 
 def name_given(cfg: SFTConfig, given: Given) -> None:
-    """Record what Python handed over as ``python:NAME`` in the config (saved in config.yaml, compared on resume);
-    a ``python:`` setting whose object was not given again is a one-line error."""
-    for key, obj, value in (("data.files", given.train_data, cfg.data.files),
-                            ("data.eval_files", given.eval_data, cfg.data.eval_files),
-                            ("eval.prompts", given.eval_prompts, [cfg.eval.prompts] if cfg.eval.prompts else []),
-                            ("model.path", given.model, [cfg.model.path] if cfg.model.path else [])):
-        if obj is not None and value and not all(v.startswith(PYTHON) for v in value):
-            raise ConfigError(f"{key} {','.join(value)}: given from Python as well; give one or the other")
-    if given.train_data is not None and not cfg.data.files:
-        cfg.data.files = [PYTHON + "train_data"]
-    if given.eval_data is not None and not cfg.data.eval_files:
-        cfg.data.eval_files = [PYTHON + "eval_data"]
-    if given.eval_prompts is not None and not cfg.eval.prompts:
-        cfg.eval.prompts = PYTHON + "eval_prompts"
-    if given.model is not None and not cfg.model.path:
-        cfg.model.path = PYTHON + "model"
+    """Record what Python handed over as ``python:NAME`` in the config (saved in config.yaml, compared on resume).
+    One-line errors: an object given beside a file or path for the same setting, and a ``python:`` setting (a saved
+    config's) whose object is not given again."""
+    slots = (("model.path", "model", given.model), ("data.files", "train_data", given.train_data),
+             ("data.eval_files", "eval_data", given.eval_data), ("eval.prompts", "eval_prompts", given.eval_prompts))
+    for key, argument, obj in slots:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        values = value if isinstance(value, list) else [value] if value else []
+        from_python = bool(values) and all(v.startswith(PYTHON) for v in values)
+        if obj is not None and values and not from_python:
+            raise ConfigError(f"{key} {','.join(values)}: {argument}= was given from Python as well; give one or "
+                              f"the other")
+        if obj is None and from_python:
+            raise ConfigError(f"{key} {','.join(values)}: was given from Python; give it again "
+                              f"(SFTTrainer(..., {argument}=...)) to run or resume")
+        if obj is not None and not values:
+            setattr(getattr(cfg, section), name, [PYTHON + argument] if isinstance(value, list) else PYTHON + argument)
     if given.gold is not None:
         cfg.eval.gold = PYTHON + getattr(given.gold, "__name__", type(given.gold).__name__).replace(":", "_")
-    needed = {"model.path": (cfg.model.path, given.model), "data": (",".join(cfg.data.files), given.train_data),
-              "data.eval_files": (",".join(cfg.data.eval_files), given.eval_data),
-              "eval.prompts": (cfg.eval.prompts, given.eval_prompts), "eval.gold": (cfg.eval.gold, given.gold)}
-    for key, (value, obj) in needed.items():
-        if value.startswith(PYTHON) and obj is None:
-            raise ConfigError(f"{key} {value}: was given from Python; give it again (SFTTrainer(..., "
-                              f"{value[len(PYTHON):]}=...)) to run or resume")
+    elif cfg.eval.gold.startswith(PYTHON):
+        raise ConfigError(f"eval.gold {cfg.eval.gold}: was given from Python; give it again (SFTTrainer(..., "
+                          f"gold=...)) to run or resume")
 
 
 def evaluates_here(run) -> bool:
