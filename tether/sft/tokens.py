@@ -90,7 +90,9 @@ def chat_example(tokenizer, row: SFTRow, fmt: TextFormat) -> tuple[list[int], li
     ids = chat_ids(tokenizer, messages, False)
     labels = [IGNORE_INDEX] * len(ids)
     last = len(messages) - 1
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"] if row.all_turns else [last]
+    # every assistant turn that answers a user (a greeting before any user turn is context), or the completion
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and
+             any(x["role"] == "user" for x in messages[:k])] if row.all_turns else [last]
     stopped = True
     for k in turns:
         before = chat_ids(tokenizer, messages[:k], True)
@@ -101,7 +103,7 @@ def chat_example(tokenizer, row: SFTRow, fmt: TextFormat) -> tuple[list[int], li
                             f"its assistant tokens cannot be located")
         end = next((j + 1 for j in range(len(before), len(upto)) if ids[j] in fmt.stop_ids), len(upto))
         labels[len(before):end] = ids[len(before):end]
-        stopped = end < len(upto) or ids[end - 1] in fmt.stop_ids
+        stopped = ids[end - 1] in fmt.stop_ids
     if not stopped:  # the template ends the last turn with no stop token: the policy must still learn to stop
         ids, labels = ids + [fmt.eos_id], labels + [fmt.eos_id]
     return ids, labels
