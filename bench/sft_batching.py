@@ -9,8 +9,9 @@ seconds per step and tokens/s of ``tether sft`` with
 - ``one_row``: the same micro-batches packed into one row each (what varlen flash-attention kernels want; on SDPA
   the dense block-diagonal mask costs the row's length squared).
 
-Runs in this process, interleaved (each repeat times every mode once, in turn), after one warm-up step each; the
-padding fraction is of the positions computed. Data: GSM8K train (question → worked answer), the model as in
+Runs in this process, interleaved (each repeat times every mode once, in turn), after one warm-up step each: wall
+seconds and the process's CPU seconds (all threads; what a loaded shared machine disturbs least); the padding
+fraction is of the positions computed. Data: GSM8K train (question → worked answer), the model as in
 bench/sft_vs_trl.py.
 
 usage: python bench/sft_batching.py [--model medium] [--steps 6] [--batch-size 8] [--repeats 3] [--threads 2]
@@ -23,6 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -60,6 +62,7 @@ def main() -> int:
     a.grad_accumulation = 1
     torch.set_num_threads(a.threads)
     seconds = {m: [] for m in MODES}
+    cpu = {m: [] for m in MODES}
     padding = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -68,19 +71,23 @@ def main() -> int:
             for mode in MODES:
                 trainer = trainer_for(mode, model_dir, data, root, a)
                 trainer.step()  # warm-up
+                cpu_started = time.process_time()
                 rows = [trainer.step().metrics for _ in range(a.steps)]
+                cpu[mode].append(time.process_time() - cpu_started)
                 seconds[mode].append(sum(r["perf/seconds_step"] for r in rows))
                 padding[mode].append(statistics.mean(r["perf/padding_fraction"] for r in rows))
                 tokens = sum(r["perf/tokens_per_second"] * r["perf/seconds_step"] for r in rows)
                 print(f"repeat {repeat + 1} {mode}: {seconds[mode][-1] / a.steps:.3f} s/step, "
-                      f"{tokens / seconds[mode][-1]:.0f} tokens/s, padding {padding[mode][-1]:.1%}; "
+                      f"{cpu[mode][-1] / a.steps:.3f} CPU s/step, {tokens / seconds[mode][-1]:.0f} tokens/s, "
+                      f"padding {padding[mode][-1]:.1%}; "
                       f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     print()
-    base = statistics.median(seconds["padded"])
+    base, base_cpu = statistics.median(seconds["padded"]), statistics.median(cpu["padded"])
     for mode in MODES:
-        med = statistics.median(seconds[mode])
-        print(f"{a.model} {mode:8s}: {med / a.steps:.3f} s/step (median of {a.repeats}), padded / {mode} = "
-              f"{base / med:.2f}, padding {statistics.mean(padding[mode]):.1%}")
+        med, med_cpu = statistics.median(seconds[mode]), statistics.median(cpu[mode])
+        print(f"{a.model} {mode:8s}: {med / a.steps:.3f} s/step, {med_cpu / a.steps:.3f} CPU s/step (medians of "
+              f"{a.repeats}); padded / {mode}: wall {base / med:.2f}, CPU {base_cpu / med_cpu:.2f}; padding "
+              f"{statistics.mean(padding[mode]):.1%}")
     return 0
 
 
