@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How to batch SFT sequences of different lengths on this machine, each way exact (no sequence sees another):
-seconds per step and tokens/s of ``tether sft`` with
+tokens/s of ``tether sft`` (every sequence token, padding not counted) with
 
 - ``padded``: random micro-batches right-padded to their longest sequence (the baseline);
 - ``grouped``: ``--group-by-length`` (micro-batches of similar lengths: less padding, other micro-batches);
@@ -63,6 +63,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     seconds = {m: [] for m in MODES}
     cpu = {m: [] for m in MODES}
+    tokens = {m: [] for m in MODES}  # grouped batches differ from the others' (and their lengths): compare per token
     padding = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -76,18 +77,19 @@ def main() -> int:
                 cpu[mode].append(time.process_time() - cpu_started)
                 seconds[mode].append(sum(r["perf/seconds_step"] for r in rows))
                 padding[mode].append(statistics.mean(r["perf/padding_fraction"] for r in rows))
-                tokens = sum(r["perf/tokens_per_second"] * r["perf/seconds_step"] for r in rows)
-                print(f"repeat {repeat + 1} {mode}: {seconds[mode][-1] / a.steps:.3f} s/step, "
-                      f"{cpu[mode][-1] / a.steps:.3f} CPU s/step, {tokens / seconds[mode][-1]:.0f} tokens/s, "
-                      f"padding {padding[mode][-1]:.1%}; "
+                tokens[mode].append(sum(r["perf/tokens_per_second"] * r["perf/seconds_step"] for r in rows))
+                print(f"repeat {repeat + 1} {mode}: {tokens[mode][-1] / seconds[mode][-1]:.0f} tokens/s, "
+                      f"{tokens[mode][-1] / cpu[mode][-1]:.0f} tokens/CPU-s, padding {padding[mode][-1]:.1%}; "
                       f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     print()
-    base, base_cpu = statistics.median(seconds["padded"]), statistics.median(cpu["padded"])
+    def rate(mode: str, clock: dict) -> float:
+        return statistics.median(t / s for t, s in zip(tokens[mode], clock[mode]))
+
     for mode in MODES:
-        med, med_cpu = statistics.median(seconds[mode]), statistics.median(cpu[mode])
-        print(f"{a.model} {mode:8s}: {med / a.steps:.3f} s/step, {med_cpu / a.steps:.3f} CPU s/step (medians of "
-              f"{a.repeats}); padded / {mode}: wall {base / med:.2f}, CPU {base_cpu / med_cpu:.2f}; padding "
-              f"{statistics.mean(padding[mode]):.1%}")
+        wall, per_cpu = rate(mode, seconds), rate(mode, cpu)
+        print(f"{a.model} {mode:8s}: {wall:.0f} tokens/s, {per_cpu:.0f} tokens/CPU-s (medians of {a.repeats}); "
+              f"x padded: wall {wall / rate('padded', seconds):.2f}, CPU {per_cpu / rate('padded', cpu):.2f}; "
+              f"padding {statistics.mean(padding[mode]):.1%}")
     return 0
 
 
