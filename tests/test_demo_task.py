@@ -11,10 +11,8 @@ from tether.demo import pairs as pairs_mod
 from tether.demo import sft as sft_mod
 from tether.demo.pairs import make_preference_pairs
 from tether.demo.sft import (
-    answer_loss,
     generate_answers,
     gold_accuracy,
-    sft_tensors,
     sft_to_accuracy,
     sft_train,
 )
@@ -148,42 +146,6 @@ def test_gold_reward_hand_written_cases():
 
 
 # ---------------------------------------------------------------- SFT
-
-
-def test_sft_labels_mask_prompt_and_padding(tok):
-    probs = [{"prompt": "123+045=", "answer": "168"}, {"prompt": "999+999=", "answer": "1998"}]
-    t = sft_tensors(tok, probs)
-    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    eos, pad = tok.eos_token_id, tok.pad_token_id
-    assert t["input_ids"].tolist() == [ids("123+045=168") + [eos, pad], ids("999+999=1998") + [eos]]
-    assert t["attention_mask"].tolist() == [[1] * 12 + [0], [1] * 13]
-    assert t["labels"].tolist() == [[-100] * 8 + ids("168") + [eos, -100], [-100] * 8 + ids("1998") + [eos]]
-
-
-def test_sft_labels_are_the_same_after_a_padded_call():
-    tok = build_tokenizer()
-    probs = [{"prompt": "123+045=", "answer": "168"}, {"prompt": "999+999=", "answer": "1998"}]
-    clean = sft_tensors(tok, probs)
-    tok(["1", "123"], padding=True, add_special_tokens=False)  # as generation does; leaves padding on in the backend
-    after = sft_tensors(tok, probs)
-    assert all(torch.equal(clean[k], after[k]) for k in clean)
-    assert tok(["1", "123"], padding=True, add_special_tokens=False)["input_ids"][0][0] == tok.pad_token_id  # restored
-
-
-def test_answer_loss_is_mean_cross_entropy_over_labelled_positions():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 7, generator=gen)
-    labels = torch.tensor([[-100, -100, 3, 1, -100], [-100, 4, 0, 6, 2]])
-    terms = []
-    for b in range(2):
-        for t in range(1, 5):  # position t−1 predicts label t
-            if labels[b, t] != -100:
-                terms.append(-torch.log_softmax(logits[b, t - 1], -1)[labels[b, t]])
-    assert torch.allclose(answer_loss(logits, labels), torch.stack(terms).mean())
-    # changing the logits that predict a prompt token (label -100) leaves the loss unchanged
-    poked = logits.clone()
-    poked[0, 0] += 10.0
-    assert torch.allclose(answer_loss(poked, labels), answer_loss(logits, labels))
 
 
 def test_sft_steps_reduce_loss_and_change_every_parameter(tok):

@@ -1,6 +1,6 @@
 """The package's layers as folders (STYLE.md): every import, at module level or inside a function, points
 down. core imports only torch and the standard library; no module imports a stage above its own, and the
-two stages beside each other (rm, diagnostics) do not import each other."""
+stages beside each other (rm and diagnostics; ppo and sft) do not import each other."""
 
 import ast
 import sys
@@ -10,9 +10,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tether"
 SHARED = {"cli", "config", "data", "presets", "checkpoint", "errors", "rules", "hf", "callbacks", "conversations",
-          "precision", "sharding", "tasks"}
+          "precision", "sharding", "tasks", "processes", "runlog", "export", "rule_calls", "prompt_rows"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
-RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "demo": 5, "top": 6}
+RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "top": 6}
 
 
 def room_of(module: str) -> str:
@@ -46,7 +46,7 @@ def imports(path: Path) -> list[tuple[int, str]]:
 def test_every_module_has_a_room():
     rooms = {room_of(name) for name, _ in modules()}
     assert rooms <= set(RANK), rooms - set(RANK)
-    assert {"core", "rm", "rollout", "ppo", "diagnostics", "demo", "shared"} <= rooms
+    assert {"core", "rm", "rollout", "ppo", "sft", "diagnostics", "demo", "shared"} <= rooms
 
 
 @pytest.mark.parametrize("name, path", [m for m in modules() if room_of(m[0]) == "core"], ids=lambda x: str(x))
@@ -69,6 +69,6 @@ def test_no_module_imports_a_room_above_or_beside_its_own(name, path):
 
 
 def test_every_room_says_what_it_may_import():
-    for folder in ("core", "rm", "rollout", "ppo", "diagnostics", "demo"):
+    for folder in ("core", "rm", "rollout", "ppo", "sft", "diagnostics", "demo"):
         doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text(encoding="utf-8"))) or ""
         assert "May import" in doc, folder

@@ -1,7 +1,7 @@
 """tether: classic RLHF — Bradley–Terry reward models and PPO with a per-token KL tether.
 
 ``import tether`` is light: it loads the math (torch only). ``RewardModel``, the trainers
-(``RewardTrainer``, ``PPOTrainer``), their configs and callbacks are resolved lazily on first access.
+(``SFTTrainer``, ``RewardTrainer``, ``PPOTrainer``), their configs and callbacks are resolved lazily on first access.
 """
 
 from tether.core.advantages import gae, masked_mean, shaped_rewards, whiten
@@ -18,6 +18,8 @@ _LAZY = {
     "RewardTrainer": "tether.rm.train",
     "RewardTrainingConfig": "tether.rm.config",
     "PPOTrainer": "tether.ppo.train",
+    "SFTTrainer": "tether.sft.train",
+    "SFTConfig": "tether.sft.config",
     "RunConfig": "tether.ppo.config",
     "Callback": "tether.callbacks",
     "StopTraining": "tether.callbacks",

@@ -1,4 +1,4 @@
-"""The ``tether`` command: demo, train-rm, label-steps, ppo, plan, doctor, report.
+"""The ``tether`` command: demo, sft, sample, train-rm, label-steps, ppo, plan, doctor, report.
 
 Each subcommand lives in its own module, imported only when used, exposing
 ``add_arguments(parser)`` and ``run(args) -> int``. Bad input (a :class:`~tether.errors.TetherError`)
@@ -17,6 +17,9 @@ from tether.errors import TetherError
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": ("tether.demo.pipeline", "run the built-in task end to end: SFT -> reward model -> PPO (beta > 0 and beta = 0)"),
+    "sft": ("tether.sft.cli", "supervised fine-tuning: the policy (and reference) for train-rm and ppo"),
+    "sample": ("tether.sft.sample_cli", "K samples per prompt from a policy, kept when a rule or reward model "
+               "accepts them: SFT rows (rejection sampling, Best-of-N)"),
     "train-rm": ("tether.rm.cli", "train a Bradley-Terry reward model from preference pairs"),
     "label-steps": ("tether.rm.label_cli", "label every step of (prompt, response) rows with a step rule, for "
                     "train-rm --process"),
@@ -35,7 +38,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="tether", description="Classic RLHF: reward models and PPO with a KL tether.")
+    parser = OneLineParser(prog="tether", description="Classic RLHF: SFT, reward models and PPO with a KL tether.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     for name, (module, help_) in COMMANDS.items():
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tether {args.command}: interrupted", file=sys.stderr)
         code = 130
-    if args.command == "ppo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if args.command in ("ppo", "sft") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # a process of `accelerate launch`: its gloo threads must not meet the interpreter's teardown (#32)
         from tether.ppo.processes import leave_without_teardown
 

@@ -167,9 +167,9 @@ def transformers_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
-    """A causal LM from a local directory in ``dtype``, dropout off; a directory that is not one (an encoder, a
-    classifier, missing or corrupt weights) is a one-line error."""
+def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, dropout: bool = False):
+    """A causal LM from a local directory in ``dtype``, dropout off (``dropout``: as its config sets it, for SFT);
+    a directory that is not one (an encoder, a classifier, missing or corrupt weights) is a one-line error."""
     from transformers import AutoModelForCausalLM
 
     from tether.errors import TetherError
@@ -183,5 +183,6 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: boo
         raise load_failed(path, "model", e) from None
     except load_errors() as e:  # missing or corrupt weights, a config.json that is not JSON
         raise load_failed(path, "model", e) from None
-    disable_dropout(model)
+    if not dropout:
+        disable_dropout(model)
     return model

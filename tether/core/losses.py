@@ -1,4 +1,4 @@
-"""Losses: Bradley–Terry (A2), PPO clipped surrogate (B9) and clipped value loss (B6).
+"""Losses: Bradley–Terry (A2), PPO clipped surrogate (B9) and clipped value loss (B6), SFT's next-token NLL (S1).
 
 Each PPO loss returns ``(loss, stats)`` with stats detached. Shapes: (B, T) with ``mask`` 1 on valid
 response tokens; every mean is a masked token mean over the whole minibatch.
@@ -25,6 +25,20 @@ def bradley_terry_loss(scores_chosen: torch.Tensor, scores_rejected: torch.Tenso
     if margin is not None:
         diff = diff - margin
     return -F.logsigmoid(diff).mean()
+
+
+def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, int]:
+    """SFT's loss on one batch (S1): the mean next-token negative log-likelihood of the labelled tokens,
+
+        L = −(1 / n) Σ_{b,t} m_{b,t+1} · log π(x_{b,t+1} | x_{b,≤t}),   n = Σ_{b,t} m_{b,t+1},
+
+    with ``logits`` (B, T, V) at position t predicting ``labels`` (B, T) at t + 1, and m = 1 where the label is not
+    ``ignore_index`` (prompt, template and padding positions are). Computed in fp32 whatever the logits' dtype.
+    Returns ``(L, n)``; a step over several batches weights each batch's L by its share n / N of the step's N
+    labelled tokens, so that the step's loss is the mean over all of them however they are cut into batches."""
+    pred = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B·(T−1), V): position t predicts token t + 1
+    target = labels[:, 1:].reshape(-1)  # (B·(T−1),)
+    return F.cross_entropy(pred.float(), target, ignore_index=ignore_index), int((target != ignore_index).sum())
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, logprobs_old: torch.Tensor, advantages: torch.Tensor,

@@ -199,7 +199,7 @@ def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: 
     from tether.demo.task import build_policy, build_tokenizer, split_problems
 
     with stages("a. tokenizer and tiny policy from a config"):
-        tokenizer = build_tokenizer(out / "sft")
+        tokenizer = build_tokenizer()  # saved with the policy by SFT (out/sft)
         policy = build_policy(tokenizer, seed=seed)
         train, held_out = split_problems(seed, settings.n_train, settings.n_eval, digits=settings.digits)
         dev, train = train[:200], train[200:]
@@ -213,8 +213,7 @@ def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: 
         # sampled it and moved the mass to other wrong digits the reward model disliked less (docs/demo.md).
         sft = sft_to_accuracy(policy, tokenizer, train, dev[: settings.sft_dev], settings.sft_target,
                               settings.sft_max_steps, check_every=25, fine_every=5, pass_k=8, seed=seed,
-                              batch_size=64, lr=1e-3, progress=False)
-        policy.save_pretrained(out / "sft")
+                              batch_size=64, lr=1e-3, progress=False, output_dir=out / "sft")
         sft_eval = gold_accuracy(policy, tokenizer, held_out)
         print(f"   {sft['steps']} SFT steps (dev pass@8 {100 * sft['dev_curve'][-1][1]:.0f}%); held-out gold "
               f"accuracy (greedy) {fmt_interval(sft_eval)}")
@@ -232,8 +231,7 @@ def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: 
         # The RM's backbone is the SFT model trained further (a stronger verifier, as InstructGPT's RM
         # comes from its own SFT run); the pairs are still the partly-competent policy's own samples.
         sft_train(policy, tokenizer, train, settings.rm_backbone_steps, batch_size=64, lr=1e-3, seed=seed + 1,
-                  progress=False)
-        policy.save_pretrained(out / "rm_backbone")
+                  progress=False, output_dir=out / "rm_backbone")
         # The reward model reads its score at an [EOS] after the reply. Read at the reply's last digit, the
         # score sat at a different position for answers of different lengths, and the head learned a check
         # for one length only (measured on the former 3-digit task: 50% vs 100% for 4-digit answers).

@@ -1,70 +1,41 @@
-"""Supervised fine-tuning of the demo policy, batched answer generation and gold accuracy.
+"""The demo's SFT, batched answer generation and gold accuracy.
 
-SFT teaches the policy to write ``answer + [EOS]`` after a prompt; the loss is the token-mean cross-entropy
-over those answer and EOS tokens only (prompt and padding positions carry the label -100):
+SFT runs through Stage 0's trainer (:class:`tether.sft.train.SFTTrainer`, the one SFT implementation): the policy
+learns to write ``answer + [EOS]`` after a prompt, the loss the token-mean cross-entropy over those answer and EOS
+tokens only,
 
-    L = − (1 / Σ m_t) Σ_t m_t · log π(x_t | x_<t),   m_t = 1 on answer and EOS tokens.
+    L = − (1 / Σ m_t) Σ_t m_t · log π(x_t | x_<t),   m_t = 1 on answer and EOS tokens,
 
-``generate_answers`` decodes with the KV cache and left padding; ``gold_accuracy`` scores responses with
-the gold rule *and* requires that each ended with ``[EOS]`` (see ``tether.demo.task``).
+on right-padded micro-batches drawn by reshuffling the problems every epoch (the short last batch left out),
+AdamW at a constant ``lr``, the gradient norm clipped at 1. ``generate_answers`` decodes with the KV cache and left
+padding; ``gold_accuracy`` scores responses with the gold rule *and* requires that each ended with ``[EOS]`` (see
+``tether.demo.task``).
 """
 
 from __future__ import annotations
 
-import time
+import random
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tether.demo.task import gold_reward
 from tether.core.stats import wilson_interval
 
-IGNORE_INDEX = -100  # label of positions that do not enter the loss (PyTorch's cross_entropy default)
 
-
-def sft_tensors(tokenizer, problems: list[dict[str, str]]) -> dict[str, torch.Tensor]:
-    """Right-padded ``prompt + answer + [EOS]`` rows for SFT.
-
-    Returns ``input_ids`` (N, T), ``attention_mask`` (N, T) and ``labels`` (N, T): labels equal the
-    input ids on answer and EOS positions and -100 on prompt and padding positions (labels are aligned
-    with the inputs; ``answer_loss`` shifts them). Right padding keeps every prompt at positions 0..,
-    as in generation, where the demo's fixed-width prompts need no padding.
-    """
-    # The Rust tokenizer directly (the transformers wrapper costs ~4x more on 50k short strings), with its
-    # padding switched off for the call: a padded call through the wrapper (generation) leaves padding on in
-    # the backend, and 3-digit answers then came back as [PAD] + digits, a [PAD] the model was trained to write.
-    backend = tokenizer.backend_tokenizer
-    padding = backend.padding
-    backend.no_padding()
-    try:
-        prompts = [e.ids for e in backend.encode_batch([p["prompt"] for p in problems], add_special_tokens=False)]
-        answers = [e.ids for e in backend.encode_batch([p["answer"] for p in problems], add_special_tokens=False)]
-    finally:
-        if padding is not None:
-            backend.enable_padding(**{k: v for k, v in padding.items() if k != "pad_type_id"},
-                                   pad_type_id=padding["pad_type_id"])
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
-    ids, mask, labels = [], [], []
-    for p, a in zip(prompts, answers):  # plain lists and one tensor call each: far faster than row writes
-        n_pad = width - len(p) - len(a) - 1
-        ids.append(p + a + [eos] + [pad] * n_pad)
-        mask.append([1] * (width - n_pad) + [0] * n_pad)
-        labels.append([IGNORE_INDEX] * len(p) + a + [eos] + [IGNORE_INDEX] * n_pad)
-    input_ids = torch.tensor(ids, dtype=torch.long)  # (N, T)
-    attention_mask = torch.tensor(mask, dtype=torch.long)  # (N, T)
-    labels = torch.tensor(labels, dtype=torch.long)  # (N, T)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over labelled positions; logits (B, T, V) predict labels (B, T) one later."""
-    pred = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B·(T−1), V): position t predicts token t+1
-    target = labels[:, 1:].reshape(-1)  # (B·(T−1),)
-    return F.cross_entropy(pred.float(), target, ignore_index=IGNORE_INDEX)
+def sft_config(output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, weight_decay: float,
+               progress: bool) -> dict:
+    """The demo's SFT as an :class:`~tether.sft.config.SFTConfig`: plain text, every problem trained (the demo
+    holds its own dev and held-out problems out), ``steps`` optimiser steps over reshuffled epochs with the short
+    last batch left out, constant ``lr``, no checkpoints."""
+    return {"output_dir": str(output_dir), "seed": seed, "progress": progress, "save_every_minutes": 0,
+            "data": {"eval_fraction": 0.0, "chat_template": "off"},
+            "optim": {"lr": lr, "max_steps": steps, "batch_size": batch_size, "drop_last": True,
+                      "weight_decay": weight_decay, "schedule": "constant", "max_grad_norm": 1.0}}
 
 
 def sft_train(
@@ -78,54 +49,38 @@ def sft_train(
     progress: bool = True,
     weight_decay: float = 0.01,
     callback: Callable[[int, float], bool | None] | None = None,
+    output_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Fine-tune ``model`` in place on ``problems`` for ``steps`` AdamW steps (constant ``lr``, grad-norm clip 1).
-
-    Batches are drawn by reshuffling the problems every epoch (seeded, without touching the global RNG);
-    with fewer problems than ``batch_size`` every batch is the whole set. ``callback(step, loss)``, if
-    given, runs after every step (1-based), e.g. to evaluate along the way; a true return value stops
-    training there. Returns ``steps`` (the steps taken),
-    ``seconds`` (training only, callback time excluded), ``steps_per_second``, ``final_loss`` (mean of
-    the last ≤ 20 steps) and ``losses`` (one per step).
+    """Fine-tune ``model`` in place on ``problems`` (``{"prompt", "answer"}``) for ``steps`` AdamW steps with
+    :class:`~tether.sft.train.SFTTrainer` (see the module docstring); with fewer problems than ``batch_size`` every
+    batch is the whole set. ``callback(step, loss)``, if given, runs after every step (1-based), e.g. to evaluate
+    along the way; a true return value stops training there. ``output_dir``: where the trainer writes the policy
+    (a temporary folder when None). The caller's RNG states (torch, Python) are left as they were. Returns
+    ``steps`` (the steps taken), ``seconds`` (training only, callback time excluded), ``steps_per_second``,
+    ``final_loss`` (mean of the last ≤ 20 steps) and ``losses`` (one per step).
     """
+    from tether.sft.train import SFTTrainer
+
     if steps < 0 or batch_size < 1 or not problems:
         raise ValueError(f"sft_train: need steps >= 0, batch_size >= 1 and problems, got {steps}, {batch_size}, "
                          f"{len(problems)} problems")
-    data = sft_tensors(tokenizer, problems)
-    n = data["input_ids"].shape[0]
-    device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    was_training = model.training
-    model.train()
-    order = torch.randperm(n, generator=gen)
-    cursor, losses, in_callback = 0, [], 0.0
-    start = time.perf_counter()
-    bar = tqdm(range(steps), desc="sft", disable=not progress, leave=False)
-    for step in bar:
-        if cursor + batch_size > n:  # new epoch; the tail of the old order is dropped
-            order, cursor = torch.randperm(n, generator=gen), 0
-        idx = order[cursor : cursor + batch_size]
-        cursor += batch_size
-        mask = data["attention_mask"][idx]  # (B, T)
-        width = int(mask.sum(1).max())  # trim columns that are padding in every row
-        batch = {k: v[idx, :width].to(device) for k, v in data.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-        loss = answer_loss(logits, batch["labels"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        if callback is not None:
-            t0 = time.perf_counter()
-            stop = callback(step + 1, losses[-1])
-            in_callback += time.perf_counter() - t0
-            if stop:
+    if steps == 0:
+        return {"steps": 0, "seconds": 0.0, "steps_per_second": float("nan"), "final_loss": float("nan"), "losses": []}
+    rows = [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems]
+    was_training, python_rng = model.training, random.getstate()
+    losses, seconds = [], 0.0
+    with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as scratch:
+        config = sft_config(Path(output_dir or Path(scratch) / "sft"), steps, min(batch_size, len(rows)), lr, seed,
+                            weight_decay, progress)
+        trainer = SFTTrainer(config, train_data=rows, model=model, tokenizer=tokenizer)
+        for _ in range(steps):
+            record = trainer.step()
+            losses.append(record.metrics["sft/loss"])
+            seconds += record.metrics["perf/seconds_step"]
+            if callback is not None and callback(record.step, losses[-1]):
                 break
-    bar.close()
-    seconds = time.perf_counter() - start - in_callback
+        trainer.finish()
+    random.setstate(python_rng)
     model.train(was_training)
     tail = losses[-20:]
     return {

@@ -57,6 +57,7 @@ PANELS = [
      False),
     ("Reward model: training loss (−log σ(r_w − r_l))", [("rm/loss", "-")], None, False),
     ("Reward model: batch accuracy (r_w > r_l)", [("rm/accuracy", "-")], None, False),
+    ("SFT: loss per labelled token (dots: held-out)", [("sft/loss", "-"), ("eval/loss", "o")], None, False),
 ]
 PHASE_COLORS = {"generate": "#1f77b4", "weight sync": "#17becf", "score": "#ff7f0e", "old log-probs": "#ff7f0e",
                 "reference": "#e377c2", "values": "#8c564b", "reward": "#bcbd22", "train": "#2ca02c", "other": "#999"}

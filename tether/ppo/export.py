@@ -1,82 +1,25 @@
-"""The final policy of a PPO run, ``RUN_DIR/policy`` (written atomically by the main process, with the tokenizer).
-
-- A full fine-tune: a plain Hugging Face model directory.
-- LoRA, ``--export-lora merged`` (the default): the adapter merged into a copy of the base, a plain model.
-- LoRA, ``--export-lora adapter``: the adapter alone (``adapter_config.json`` + ``adapter_model.safetensors``),
-  loaded with ``peft.PeftModel.from_pretrained(base, RUN_DIR/policy)`` over the policy's base model.
-
-The weights are written in ``--model-dtype``: a bf16 run exports bf16 weights (its fp32 masters are rounded
-once, here; they stay whole in the checkpoints, which a resume reads), an fp32 run fp32 ones.
-"""
+"""The final policy of a PPO run, ``RUN_DIR/policy``, written atomically by the main process with the tokenizer:
+a plain model (full fine-tune, or LoRA merged) or the adapter alone (``--export-lora adapter``), in
+``--model-dtype`` — :func:`tether.export.write_policy`, shared with SFT."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
-
-from tether.checkpoint import atomic_dir, check_finite, save_pretrained
-from tether.hf import DTYPES
+from tether.checkpoint import atomic_dir, check_finite
+from tether.export import merged_lora_copy, set_config_dtype  # noqa: F401 - this module's API before the move
+from tether.export import write_policy
 from tether.sharding import full_model_state
 
 
 def export_policy(run, run_dir: Path, lora: str = "merged", dtype: str = "fp32") -> Path | None:
-    """Write ``run``'s policy to ``run_dir/policy`` (see the module docstring); returns the path on the main
-    process. Every process calls it: a sharded policy is gathered first (collective). ``lora``: ``merged`` or
-    ``adapter`` (a LoRA policy); ``dtype``: the run's ``--model-dtype``."""
+    """Write ``run``'s policy to ``run_dir/policy``; returns the path on the main process. Every process calls it:
+    a sharded policy is gathered first (collective). ``lora``: ``merged`` or ``adapter`` (a LoRA policy);
+    ``dtype``: the run's ``--model-dtype``."""
     model = run.models.unwrapped_policy
     state = full_model_state(model) if run.models.fsdp is not None else None
     if not run.processes.is_main:
         return None
     check_finite(model, f"{run_dir / 'policy'}", state)  # refused (one line) if a weight is NaN/Inf
-    target = DTYPES[dtype]
-    is_lora = hasattr(model, "peft_config")
-
-    def write(tmp: Path):
-        if is_lora and lora == "adapter":  # peft keeps the adapter's keys (lora_A/lora_B) of the state given
-            adapter = {k: v.to(target) for k, v in (state or model.state_dict()).items() if "lora_" in k}
-            model.save_pretrained(tmp, state_dict=adapter, safe_serialization=True)
-        else:
-            plain = merged_lora_copy(model, state) if is_lora else model
-            weights = state if plain is model else None
-            if target != torch.float32:  # rounded once from the fp32 masters
-                weights = {k: v.to(target) if v.is_floating_point() else v
-                           for k, v in (weights if weights is not None else plain.state_dict()).items()}
-            save_pretrained(plain, tmp, weights)
-            if target != torch.float32:
-                set_config_dtype(tmp / "config.json", target)
-        run.models.tokenizer.save_pretrained(tmp)
-
-    return atomic_dir(run_dir / "policy", write)
-
-
-def set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
-    """``config.json`` names the dtype its weights are stored in (transformers writes that of the module's
-    parameters, the fp32 masters), so that ``from_pretrained`` loads them as they are."""
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    name = str(dtype).split(".")[1]
-    config.update({key: name for key in ("dtype", "torch_dtype") if key in config} or {"dtype": name})
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def merged_lora_copy(model, state: dict | None):
-    """A plain copy of the LoRA policy with the adapter merged. ``state``: the full state dict of a sharded
-    policy (its base is reloaded from the adapter's base path and the state loaded into it)."""
-    import copy
-
-    if state is None:
-        return copy.deepcopy(model).merge_and_unload()
-    from peft import get_peft_model
-
-    from tether.hf import load_causal_lm
-
-    config = copy.deepcopy(model.peft_config["default"])
-    dtype = next(v.dtype for k, v in state.items() if "lora_" not in k and v.is_floating_point())
-    base = load_causal_lm(config.base_model_name_or_path, {torch.float32: "fp32", torch.bfloat16: "bf16",
-                                                           torch.float16: "fp16"}[dtype])
-    plain = get_peft_model(base, config)
-    plain.load_state_dict(state, strict=True)
-    return plain.merge_and_unload()
-
-
+    return atomic_dir(run_dir / "policy",
+                      lambda tmp: write_policy(tmp, model, run.models.tokenizer, lora, dtype, state))

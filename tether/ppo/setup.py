@@ -39,8 +39,9 @@ from tether.ppo.models import (
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
 from tether.ppo.prompts import PromptStream, load_prompts
-from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir, load_rule
+from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir
 from tether.precision import Precision
+from tether.rule_calls import gold_rule
 from tether.rollout.engines import Engine, make_engine
 from tether.rollout.sampling import encode_prompts
 from tether.sharding import FsdpSettings, shard
@@ -115,19 +116,8 @@ def seed_everything(seed: int, rank: int = 0) -> None:
 
 
 def resolve_gold(spec: str, rows: list[dict], given=None):
-    """The eval/accuracy rule: explicit ``module:function``, ``none``, ``auto`` (the math rule when the prompt
-    rows carry an ``answer``), or ``python:NAME``: the callable ``given`` from Python."""
-    if given is not None:
-        return given
-    if spec == "none":
-        return None
-    if spec == "auto":
-        if rows and all("answer" in r for r in rows):
-            from tether.rules import math_correct
-
-            return math_correct
-        return None
-    return load_rule(spec, flag="--gold")
+    """The eval/accuracy rule (:func:`tether.rule_calls.gold_rule`, shared with SFT's evaluation)."""
+    return gold_rule(spec, rows, given)
 
 
 def load_prompt_sets(cfg, given: GivenInputs | None = None) -> tuple[list[dict], list[dict]]:

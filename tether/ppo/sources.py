@@ -12,7 +12,7 @@ sources' summed scores, B4 applies to it) and the dense channel (per-step PRM re
 Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
 reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
 rule can refuse to credit truncated replies; rules that don't name it and take no ``**fields`` never see it.
-A rule is called through :func:`tether.ppo.rule_calls.call_rule` (a bad row costs the row, B16). Sequence scores
+A rule is called through :func:`tether.rule_calls.call_rule` (a bad row costs the row, B16). Sequence scores
 are summed, a rule counting only on the rows it judged (None: "does not apply", :func:`judged_sum`). Then:
 length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or running z-score) and clipping to
 [−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
-from tether.ppo.rule_calls import NOT_APPLICABLE, call_rule, with_eos_field  # call_rule: setup, evaluate use it here
+from tether.rule_calls import EOS_FIELD, NOT_APPLICABLE, call_rule, with_eos_field  # noqa: F401 - this module's API before the move
 from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
 
 

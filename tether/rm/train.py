@@ -33,7 +33,8 @@ from tether.config import as_config, check_config, config_to_dict, save_config
 from tether.conversations import prompt_key
 from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
 from tether.core.losses import bradley_terry_loss
-from tether.data import PreferencePair, balance_by_length, load_preference_pairs, pairs_from_data, split_pairs
+from tether.data import (PreferencePair, balance_by_length, load_preference_pairs, pairs_from_data,  # noqa: F401
+                         shuffled_batches as pair_batches, split_pairs)  # pair_batches: this module's API before the move
 from tether.errors import ConfigError, DataError
 from tether.hf import DTYPES
 from tether.rm.config import RewardTrainingConfig
@@ -234,24 +235,6 @@ def clamp_max_length(max_length: int, model) -> int:
         print(f"note: max_length {max_length} > the model's {limit} positions; using {limit}")
         return limit
     return max_length
-
-
-def pair_batches(lengths: list[int], batch_size: int, generator: torch.Generator, group_by_length: bool
-                 ) -> list[list[int]]:
-    """One epoch of batches (lists of pair indices), every pair exactly once, in shuffled order.
-
-    ``group_by_length``: shuffle, cut into chunks of 50 batches, sort each chunk by ``lengths`` (the pair's
-    longer text, in tokens), cut into batches and shuffle the batches: padding shrinks to the spread
-    inside a batch while which pairs meet stays random (Hugging Face's group_by_length does the same).
-    """
-    order = torch.randperm(len(lengths), generator=generator).tolist()
-    if not group_by_length:
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    chunk = 50 * batch_size
-    order = [i for lo in range(0, len(order), chunk)
-             for i in sorted(order[lo:lo + chunk], key=lambda j: -lengths[j])]
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    return [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def pair_loss(model, chosen: list, rejected: list, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
+from tether.rules import load_rule
 
 EOS_FIELD = "ended_with_eos"
 
@@ -122,3 +123,19 @@ def _one_row(fn, prompts, responses, fields, i: int):
     except Exception as e:  # noqa: BLE001
         return _Raised(e)
     return _rule_output(fn, out, 1)[0]
+
+
+def gold_rule(spec: str, rows: list[dict], given=None, flag: str = "--gold"):
+    """The eval/accuracy rule: explicit ``module:function``, ``none``, ``auto`` (the math rule when the prompt
+    rows carry an ``answer``), or ``python:NAME``: the callable ``given`` from Python."""
+    if given is not None:
+        return given
+    if spec == "none":
+        return None
+    if spec == "auto":
+        if rows and all("answer" in r for r in rows):
+            from tether.rules import math_correct
+
+            return math_correct
+        return None
+    return load_rule(spec, flag=flag)

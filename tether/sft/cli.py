@@ -1,0 +1,25 @@
+"""``tether sft``: flags and YAML for :class:`~tether.sft.config.SFTConfig`, then :class:`tether.sft.train.SFTTrainer`
+(the Python API's code path)."""
+
+from __future__ import annotations
+
+import os
+
+from tether.config import add_config_flags, resolve_config
+from tether.sft.config import SFTConfig
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML config (nested like the keys below); flags override it")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --output-dir from its newest checkpoint")
+    add_config_flags(parser, SFTConfig)
+
+
+def run(args) -> int:
+    from tether.sft.train import SFTTrainer
+
+    result = SFTTrainer(resolve_config(SFTConfig, args, args.config), resume=args.resume).train()
+    if os.environ.get("RANK", "0") == "0":  # one line, not one per process
+        print(f"tether sft: {result.steps} steps; the policy is {result.run_dir} (use it as --policy / --model)")
+    return 0
