@@ -20,8 +20,8 @@ from tether.errors import ConfigError
 from tether.hf import DTYPES, context_positions, transformers_model
 from tether.rollout.records import Rollout
 from tether.rollout.sampling import generate
-from tether.sharding import gathered
 from tether.rollout.weights import SyncSeconds
+from tether.sharding import gathered
 
 
 class Engine(Protocol):

@@ -21,10 +21,9 @@ from tether.rollout.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_w
 
 def make_rollout_engine(cfg, layout: Layout, device: torch.device):
     """This rollout process's engine over the policy (loaded from ``--policy``; LoRA never: merged weights arrive)."""
-    from tether.hf import load_tokenizer
-    from tether.rollout.engines import TransformersEngine
-    from tether.hf import load_causal_lm
+    from tether.hf import load_causal_lm, load_tokenizer
     from tether.presets import resolve_model_path
+    from tether.rollout.engines import TransformersEngine
 
     path = resolve_model_path(cfg.model.policy, what="policy")
     tokenizer = load_tokenizer(path)
@@ -77,8 +76,8 @@ def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
 
 def serve(cfg) -> Path:
     """Run this process as a rollout process until trainer 0 says STOP; returns the run directory."""
-    from tether.rollout.layout import launch_layout
     from tether.precision import Precision
+    from tether.rollout.layout import launch_layout
 
     layout = launch_layout(cfg)
     torch.manual_seed(cfg.seed + layout.rank)
