@@ -101,6 +101,22 @@ def test_layout_routes_trainers_to_rollout_processes_by_hand(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("world, rollouts, ok", [(3, 1, True), (4, 2, True), (5, 2, True), (3, 2, False),
+                                                  (5, 3, False), (2, 1, True)])
+def test_every_rollout_process_serves_a_trainer(monkeypatch, world, rollouts, ok):
+    """Round robin gives rollout process r the trainers t with t mod R = r − (N − R): with R > N − R the last
+    2R − N of them would serve none (and died at step 1 on ``requests[0]``, an IndexError): refused in one line."""
+    cfg = type("Cfg", (), {"generation": type("G", (), {"rollout_processes": rollouts})()})()
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    if ok:
+        layout = launch_layout(cfg)
+        assert all(layout.trainers_of(r) for r in range(layout.trainers, world))
+        return
+    with pytest.raises(ConfigError, match=f"--rollout-processes {rollouts}: .*serve no trainer") as e:
+        launch_layout(cfg)
+    assert "\n" not in str(e.value)
+
+
 def test_wire_packing_by_hand():
     """A block's manifest travels as one flat buffer per dtype (first-appearance order, tied names left out); several
     trainers' left-padded prompts become one left-padded batch."""

@@ -62,6 +62,10 @@ def launch_layout(cfg) -> Layout:
     if rollouts and rollouts >= world:
         raise ConfigError(f"--rollout-processes {rollouts}: this launch has {world} process(es) and at least one "
                           "must train (accelerate launch --num_processes N with N > R)")
+    if rollouts > world - rollouts:  # round robin: rollout process r serves trainers r, r + R, ...
+        raise ConfigError(f"--rollout-processes {rollouts}: this launch has {world} processes, so {world - rollouts} "
+                          f"train and {2 * rollouts - world} rollout process(es) would serve no trainer; use at most "
+                          f"{world // 2} (R <= N - R)")
     return Layout(world, rank, rollouts)
 
 
