@@ -96,7 +96,8 @@ class PPOTrainer:
         self.given = resolve_inputs(cfg, reward, prompts, eval_prompts, gold)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
         self.run_dir = Path(cfg.output_dir)
-        if launch_layout(cfg).is_rollout:  # disaggregated layout: this process only generates, until the trainers stop
+        self._serves_rollouts = launch_layout(cfg).is_rollout
+        if self._serves_rollouts:  # disaggregated layout: this process only generates, until the trainers stop
             self.run, self.steps_done = None, cfg.steps
             self.result = TrainResult(run_dir=serve(cfg), metrics={}, models={}, steps=cfg.steps)
             return
@@ -123,10 +124,20 @@ class PPOTrainer:
         if cfg.eval.every and cfg.eval.at_start and self.steps_done == 0:
             self.log.metrics({"step": 0, **self.evaluated(0)})
 
+    @property
+    def is_rollout_process(self) -> bool:
+        """True on a rollout process of the disaggregated layout (``--rollout-processes``): its construction served
+        the trainers until they finished, and a script has nothing more to do there (``step``, ``train`` and
+        ``evaluate`` are the trainers')."""
+        return self._serves_rollouts
+
     def step(self) -> StepRecord:
         """The next PPO step (:func:`~tether.ppo.step.ppo_step`), its evaluation when due, callbacks, health alerts,
         its metrics row, and a checkpoint when due (or when a callback stops the run: it resumes from there)."""
         cfg, run, log = self.cfg, self.run, self.log
+        if self.is_rollout_process:
+            raise TetherError("PPOTrainer.step: this process is a rollout process (--rollout-processes); it served the "
+                              "trainers until they finished (check PPOTrainer.is_rollout_process in a script)")
         if self.result is not None or self.steps_done >= cfg.steps:
             raise TetherError(f"PPOTrainer.step: the run is finished ({self.steps_done} of --steps {cfg.steps} done)"
                               if self.result is not None else f"PPOTrainer.step: all --steps {cfg.steps} are done; "

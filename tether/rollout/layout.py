@@ -131,8 +131,11 @@ class Link:
     def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         self.messages.send([tensor.cpu().contiguous()], to, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
-        self.messages.recv([tensor], source, tag).wait()
+    def recv(self, tensor: torch.Tensor, source: int, tag: int, timeout: timedelta | None = None) -> torch.Tensor:
+        """``timeout``: this wait's own limit instead of the group's (gloo fails it at once all the same when the
+        peer's sockets close: a dead peer is never waited for)."""
+        work = self.messages.recv([tensor], source, tag)
+        work.wait(timeout) if timeout is not None else work.wait()
         return tensor
 
     # ------------------------------------------------------------------ weights (trainer 0 is the root)
@@ -144,8 +147,9 @@ class Link:
         return tensor
 
     @contextlib.contextmanager
-    def guard(self, peers: list[int], doing: str):
-        """Turn a failed or timed-out operation with ``peers`` (launch ranks) into one line naming them."""
+    def guard(self, peers: list[int], doing: str, timed: bool = True):
+        """Turn a failed or timed-out operation with ``peers`` (launch ranks) into one line naming them; ``timed``
+        False: the operation waits without the collective timeout, so only a dead peer ends it."""
         try:
             yield
         except RuntimeError as e:  # gloo/NCCL errors and timeouts (DistBackendError is a RuntimeError)
@@ -155,10 +159,10 @@ class Link:
             kind = "rollout process" if all(p >= self.layout.trainers for p in peers) else "process"
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             me = f"{'rollout process' if self.layout.is_rollout else 'trainer'} {self.layout.rank}"
+            within = (f"stopped answering while {doing}, or died, within the {self.timeout.total_seconds():.0f} s "
+                      f"timeout (collective_timeout_minutes)" if timed else f"died while {doing}")
             raise TetherError(f"{me}: {kind}{'es' if len(peers) > 1 else ''} of rank {who} (of {self.layout.world}; "
-                              f"--rollout-processes {self.layout.rollouts}) stopped answering while {doing}, or "
-                              f"died, within the {self.timeout.total_seconds():.0f} s timeout "
-                              f"(collective_timeout_minutes): {reason}; the run stops") from None
+                              f"--rollout-processes {self.layout.rollouts}) {within}: {reason}; the run stops") from None
 
     def close(self) -> None:
         for group in (self.messages, self.weights):

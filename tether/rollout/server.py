@@ -3,12 +3,14 @@
 It loads the policy's architecture and tokenizer (the weights arrive from the trainers before the first rollout),
 starts its engine (``--engine``: vLLM, or transformers where vLLM is absent), and then does what trainer 0 tells
 it, until STOP: take the weights (:func:`tether.rollout.remote.receive_weights`), or sample its trainers' prompts in
-one batch and send each its rows back. It writes nothing to the run directory. A trainer that died or stopped
-answering ends it with one line (:meth:`tether.rollout.layout.Link.guard`).
+one batch and send each its rows back. It writes nothing to the run directory. Between commands it waits as long
+as trainer 0 lives (checkpoints, the export and a script's own work take what they take); within a command a trainer
+that died or stopped answering ends it with one line (:meth:`tether.rollout.layout.Link.guard`).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,6 +19,8 @@ from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, transformers_model
 from tether.rollout.layout import Layout, Link
 from tether.rollout.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_weights
+
+IDLE_WAIT = timedelta(days=365)  # how long a rollout process waits for trainer 0's next command: as long as it lives
 
 
 def make_rollout_engine(cfg, layout: Layout, device: torch.device):
@@ -89,8 +93,11 @@ def serve(cfg) -> Path:
         with link.guard([0], "starting"):
             link.send(torch.tensor([READY]), 0, Link.CONTROL)
         while True:
-            with link.guard([0], "waiting for trainer 0"):
-                op = int(link.recv(torch.zeros(1, dtype=torch.long), 0, Link.CONTROL))
+            # Between commands trainer 0 may be busy for any time (a checkpoint, the final export, a script's own
+            # work between steps): wait as long as it lives. A dead trainer closes its sockets, which ends this wait
+            # at once; a hung one makes the other trainers' collectives time out, and their launcher stops it.
+            with link.guard([0], "this process waited for its next command", timed=False):
+                op = int(link.recv(torch.zeros(1, dtype=torch.long), 0, Link.CONTROL, timeout=IDLE_WAIT))
             if op == STOP:
                 break
             peers = [0] if op == SYNC else layout.trainers_of(layout.rank)
