@@ -97,19 +97,22 @@ def test_disaggregated_ddp_lora_with_evaluation(files, tmp_path):
 def test_weights_arrive_bitwise_equal(tmp_path):
     """What a rollout process receives equals the trainer's weights bit for bit: a Llama full fine-tune (tied
     embeddings; vocabulary rows split unevenly over 2 FSDP2 shards) and a GPT-2 with LoRA (ΔW folded, transposed
-    for Conv1D), the reference gathered by torch's get_model_state_dict and merged by peft."""
+    for Conv1D), the reference gathered by torch's get_model_state_dict and merged by peft; and a bf16 full
+    fine-tune: its Linear weights in bf16 (the fp32 masters as autocast casts them), the rest fp32."""
     gpt2, llama = make_policy_dir(tmp_path / "gpt2"), make_llama_chat_dir(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     accelerate_launch([str(Path(__file__).parent / "weight_transfer_worker.py"), str(out), str(gpt2), str(llama)],
                       tmp_path / "logs", processes=3, timeout=300)
-    for case in ("llama_full", "gpt2_lora"):
+    for case in ("llama_full", "gpt2_lora", "llama_bf16"):
         received = torch.load(out / f"{case}-received.pt", weights_only=True)
         trainer = torch.load(out / f"{case}-trainer.pt", weights_only=True)
         assert set(received) == set(trainer), set(received) ^ set(trainer)
         different = [k for k in trainer if received[k].dtype != trainer[k].dtype
                      or not torch.equal(received[k], trainer[k])]
         assert not different, (case, different)
+        dtypes = {str(v.dtype) for v in received.values()}
+        assert dtypes == ({"torch.bfloat16", "torch.float32"} if case == "llama_bf16" else {"torch.float32"})
 
 
 def rank_pid(marker: str, rank: int) -> int | None:

@@ -97,7 +97,7 @@ def make_engine(cfg, model, tokenizer, processes=None) -> Engine:
     if getattr(processes, "link", None) is not None:
         from tether.rollout.remote import RemoteEngine
 
-        return RemoteEngine(processes.link, model, tokenizer, sharded=fsdp is not None)
+        return RemoteEngine(processes.link, model, tokenizer, sharded=fsdp is not None, dtype=DTYPES[cfg.model.dtype])
     if name == "transformers":
         return TransformersEngine(model, tokenizer, fsdp)
     if name == "vllm":

@@ -9,7 +9,7 @@ Protocol (groups and timeouts: :mod:`tether.rollout.layout`):
 
 - **sync** (after every update, before a rollout): trainer 0 sends SYNC to every rollout process, broadcasts the
   manifest (names, shapes, dtypes per block, :func:`tether.rollout.weights.manifest`), then each block as one flat
-  buffer per dtype, block by block; the next block is gathered from the trainers' FSDP2 shards while this one is
+  buffer per dtype, block by block (a bf16 run's matmul weights in bf16, as autocast computes them); the next block is gathered from the trainers' FSDP2 shards while this one is
   broadcast (:func:`tether.rollout.weights.policy_blocks`). Under FSDP2 every trainer takes part in the gathers; under
   DDP trainer 0 alone sends. The rollout processes load what arrives into their engine as it arrives.
 - **generate**: trainer 0 sends GENERATE to every rollout process; each trainer sends its request (a header with
@@ -56,11 +56,12 @@ def broadcast_object(link: Link, obj=None):
     return pickle.loads(link.broadcast(payload).cpu().numpy().tobytes())  # only ever from trainer 0, our own process
 
 
-def send_weights(link: Link, model, seconds: SyncSeconds) -> None:
-    """Trainer 0: the policy's weights to every rollout process, block by block (see the module docstring)."""
-    plan = manifest(model)
+def send_weights(link: Link, model, seconds: SyncSeconds, compute_dtype: torch.dtype | None = None) -> None:
+    """Trainer 0: the policy's weights to every rollout process, block by block (see the module docstring), each
+    tensor in the dtype the run computes it in (:mod:`tether.rollout.weights`)."""
+    plan = manifest(model, compute_dtype)
     broadcast_object(link, plan)
-    for spec, block in zip(plan, policy_blocks(model, seconds)):
+    for spec, block in zip(plan, policy_blocks(model, seconds, compute_dtype)):
         for _, entries in dtype_groups(spec):
             link.broadcast(torch.cat([block[name].reshape(-1) for name, *_ in entries]).to(link.weights_device))
 
@@ -88,8 +89,9 @@ class RemoteEngine:
     syncs_weights = True
     collective = True  # every trainer calls generate together: evaluation runs on every trainer
 
-    def __init__(self, link: Link, model, tokenizer, sharded: bool):
-        self.link, self.tokenizer, self.sharded = link, tokenizer, sharded
+    def __init__(self, link: Link, model, tokenizer, sharded: bool, dtype: torch.dtype = torch.float32):
+        """``dtype``: the run's compute dtype (``--model-dtype``): what the matmul weights travel in."""
+        self.link, self.tokenizer, self.sharded, self.dtype = link, tokenizer, sharded, dtype
         self.eos = eos_ids(tokenizer, model)
         self.sync_seconds = SyncSeconds()
         self.pending: tuple | None = None  # (query, query_mask, min_new_tokens) of the request not yet collected
@@ -119,9 +121,9 @@ class RemoteEngine:
         with self.link.guard(self._rollouts, "taking the weights"):
             if self.link.layout.rank == 0:
                 self._command(SYNC)
-                send_weights(self.link, model, self.sync_seconds)
+                send_weights(self.link, model, self.sync_seconds, self.dtype)
             elif self.sharded:  # the other trainers take part in the all-gathers of the shards
-                for _ in policy_blocks(model, self.sync_seconds):
+                for _ in policy_blocks(model, self.sync_seconds, self.dtype):
                     pass
         self.sync_seconds.transfer = time.perf_counter() - start - self.sync_seconds.gather
 

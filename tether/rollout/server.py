@@ -24,22 +24,25 @@ IDLE_WAIT = timedelta(days=365)  # how long a rollout process waits for trainer 
 
 
 def make_rollout_engine(cfg, layout: Layout, device: torch.device):
-    """This rollout process's engine over the policy (loaded from ``--policy``; LoRA never: merged weights arrive)."""
-    from tether.hf import load_causal_lm, load_tokenizer
+    """This rollout process's engine on ``device`` (LoRA never: merged weights arrive with every sync). vLLM starts
+    from the policy's skeleton (config and generation config, no weights: vLLM's copy is the only one this process
+    holds); the transformers engine samples with a copy of the policy loaded from ``--policy``."""
+    from tether.hf import causal_lm_skeleton, load_causal_lm, load_tokenizer
     from tether.presets import resolve_model_path
     from tether.rollout.engines import TransformersEngine
 
     path = resolve_model_path(cfg.model.policy, what="policy")
     tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device).eval()
     if cfg.generation.engine == "vllm":
         from tether.rollout.vllm_engine import VLLMEngine
 
+        model = causal_lm_skeleton(path, cfg.model.dtype, cfg.model.trust_remote_code)
         max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
         max_model_len = min(max_model_len, context_positions(transformers_model(model).config) or max_model_len)
         rows = cfg.rows_per_step * len(layout.trainers_of(layout.rank))
         return VLLMEngine(model, tokenizer, max_model_len, rows=rows, seed=cfg.seed, dtype=DTYPES[cfg.model.dtype],
-                          sleep=False)  # the device is the engine's alone
+                          sleep=False, device=device)  # the device is the engine's alone
+    model = load_causal_lm(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device).eval()
     return TransformersEngine(model, tokenizer, sampler_logprobs=True)
 
 
