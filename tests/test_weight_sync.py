@@ -117,6 +117,33 @@ def test_every_rollout_process_serves_a_trainer(monkeypatch, world, rollouts, ok
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("votes, agreed", [(("nccl", "nccl", "nccl"), "nccl"), (("nccl", "gloo", "nccl"), "gloo"),
+                                             (("gloo", "gloo", "gloo"), "gloo")])
+def test_the_weights_group_members_agree_on_one_backend(votes, agreed):
+    """Trainer 0 and 2 rollout processes, each knowing only what it can do (a node with fewer GPUs than processes can
+    do gloo only): every member builds the weights group with the same backend, NCCL only when all can. Three
+    members on a real TCPStore, each in its own thread (a member waits for the others' votes)."""
+    import threading
+    from datetime import timedelta
+
+    from tether.rollout.layout import agreed_backend
+
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30))
+    got = [None] * len(votes)
+
+    def member(i):
+        store = torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+        got[i] = agreed_backend(store, "tether-rollout/0/weights-backend", i, len(votes), votes[i])
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in reversed(range(len(votes)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == [agreed] * len(votes)
+
+
 def test_wire_packing_by_hand():
     """A block's manifest travels as one flat buffer per dtype (first-appearance order, tied names left out); several
     trainers' left-padded prompts become one left-padded batch."""

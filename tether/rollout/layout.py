@@ -12,7 +12,8 @@ Layouts of ``accelerate launch ... -m tether ppo`` with N processes:
 
   * ``messages`` (all N, gloo): control from trainer 0, prompts out and token ids + sampler log-probs back, by
     point-to-point sends;
-  * ``weights`` (trainer 0 and the R rollout processes; NCCL on GPUs, gloo on CPUs): the weight broadcast.
+  * ``weights`` (trainer 0 and the R rollout processes; NCCL when every member is on a GPU of its own, else gloo:
+    the members agree on it through the store): the weight broadcast.
 
 Every operation on them waits at most ``collective_timeout_minutes``; a peer that died or stopped answering ends
 the run with one line naming it (:meth:`Link.guard`), never a hang.
@@ -87,11 +88,21 @@ def lost_peer(error: RuntimeError) -> bool:
 
 
 def _backend(weights: bool) -> str:
-    """NCCL for the weights between GPUs; gloo for the messages, on CPU processes, and when several processes share
-    a GPU (NCCL refuses two ranks on one device; a one-GPU machine rehearses the layout so)."""
+    """What this process can do: NCCL for the weights between GPUs; gloo for the messages, on CPU processes, and
+    when several processes share a GPU (NCCL refuses two ranks on one device; a one-GPU machine rehearses the
+    layout so). The weights group uses what all its members can (:func:`agreed_backend`)."""
     if not (weights and torch.cuda.is_available()):
         return "gloo"
     return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
+
+
+def agreed_backend(store, prefix: str, member: int, members: int, mine: str) -> str:
+    """The backend every member of a group will build it with: NCCL only when every member can (each publishes
+    what it can under ``prefix`` on the launch's store, then reads the others'), else gloo. Chosen alone, a node
+    with fewer GPUs than processes would build gloo while the other built NCCL: a group that never forms."""
+    store.set(f"{prefix}/{member}", mine)
+    votes = [store.get(f"{prefix}/{m}").decode() for m in range(members)]  # waits for each (the store's timeout)
+    return "nccl" if all(v == "nccl" for v in votes) else "gloo"
 
 
 class Link:
@@ -109,19 +120,21 @@ class Link:
         store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                            is_master=False, timeout=self.timeout)
         prefix = f"tether-rollout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.messages = self._group(store, f"{prefix}/messages", layout.rank, layout.world, weights=False)
+        self.messages = self._group(store, f"{prefix}/messages", layout.rank, layout.world, "gloo")
         members = [0, *range(layout.trainers, layout.world)]
-        self.weights = None
+        self.weights, self.weights_backend = None, "gloo"
         if layout.rank in members:
-            self.weights = self._group(store, f"{prefix}/weights", members.index(layout.rank), len(members),
-                                       weights=True)
+            member = members.index(layout.rank)
+            self.weights_backend = agreed_backend(store, f"{prefix}/weights-backend", member, len(members),
+                                                  _backend(weights=True))
+            self.weights = self._group(store, f"{prefix}/weights", member, len(members), self.weights_backend)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % gpus}" if gpus else "cpu")
-        self.weights_device = self.device if _backend(weights=True) == "nccl" else torch.device("cpu")
+        self.weights_device = self.device if self.weights_backend == "nccl" else torch.device("cpu")
 
-    def _group(self, store, prefix: str, rank: int, size: int, weights: bool):
+    def _group(self, store, prefix: str, rank: int, size: int, backend: str):
         prefixed = torch.distributed.PrefixStore(prefix, store)
-        if _backend(weights) == "nccl":
+        if backend == "nccl":
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             return torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
