@@ -157,6 +157,8 @@ class Link:
         options = torch.distributed.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         self.weights.broadcast([tensor], options).wait()
+        if tensor.is_cuda:  # NCCL's wait only orders the streams: the sync's seconds are the transfer's, not its enqueue
+            torch.cuda.current_stream(tensor.device).synchronize()
         return tensor
 
     @contextlib.contextmanager

@@ -161,6 +161,8 @@ class VLLMEngine:
         self.sync_seconds = SyncSeconds()
         self.load_weights((item for block in policy_blocks(model, self.sync_seconds, self.dtype)
                            for item in block.items()))
+        if self.on_gpu:  # the copies into vLLM's weights are queued on the device: time their completion
+            torch.cuda.synchronize()
         self._model = model
         self.sync_seconds.transfer = time.perf_counter() - start - self.sync_seconds.gather
 

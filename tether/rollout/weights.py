@@ -152,6 +152,8 @@ class _Gather:
         full = [t if _is_sharded(t) else t.to(dtype) for t, dtype in zip(self.tensors, self.dtypes)]
         for work, out, layout in self.pending:
             work.wait()
+            if out.is_cuda:  # NCCL's wait only orders the streams: time the gather's completion, not its enqueue
+                torch.cuda.current_stream(out.device).synchronize()
             offset = 0
             for i, rows, shape in layout:
                 n = rows * (torch.Size(shape[1:]).numel())
