@@ -5,7 +5,8 @@ script would, for tests/test_rollout_process.py:
 
 MODE ``pause``: train 2 steps with a callback that keeps trainer 0 busy for 15 s after step 1 (a slow checkpoint or
 export, a script's own work between steps), longer than the 12 s collective timeout the run is given.
-MODE ``step_and_exit``: take one ``step()`` and end the script without ``finish()``/``train()``.
+MODE ``step_and_exit``: take one ``step()``, evaluate on every trainer (``PPOTrainer.evaluate`` is collective with
+rollout processes) and end the script without ``finish()``/``train()``.
 ASYNC: ``--async-rollout`` (default 0).
 """
 
@@ -27,7 +28,7 @@ class Pause(tether.Callback):
 
 def main(policy: str, prompts: str, run_dir: str, mode: str, async_rollout: str = "0") -> None:
     overrides = dict(generation__rollout_processes=1, collective_timeout_minutes=0.2, steps=2, batch_size=4,
-                     save_every_minutes=0.0)
+                     save_every_minutes=0.0, data__eval_fraction=0.25, eval__n=4)
     if async_rollout != "0":
         overrides["generation__async_rollout"] = int(async_rollout)
     cfg = tiny_config(Path(run_dir), Path(policy), Path(prompts), **overrides)
@@ -38,7 +39,10 @@ def main(policy: str, prompts: str, run_dir: str, mode: str, async_rollout: str 
     if mode == "pause":
         trainer.train()
     else:
-        trainer.step()  # and the script ends here, without finish()
+        trainer.step()
+        metrics = trainer.evaluate()  # every trainer calls it: evaluation asks the rollout processes
+        assert metrics["eval/n"] == 4 if trainer.run.processes.is_main else metrics == {}, metrics
+        # and the script ends here, without finish()
 
 
 if __name__ == "__main__":

@@ -205,7 +205,11 @@ class PPOTrainer:
 
     def evaluate(self) -> dict:
         """The eval/ metrics of the current policy on the held-out prompts (B13), as a step's evaluation computes
-        them; nothing is written. On the main process ({} on the others; a sharded policy: before finish())."""
+        them; nothing is written; the main process gets them, the others {}. Collective wherever evaluation is:
+        under FSDP2, with a tensor-parallel vLLM engine (``--engine-tp``) and with rollout processes
+        (``--rollout-processes``) every training process must call it, as ``train()`` does; a script that calls it
+        on the main process alone waits there until ``--collective-timeout-minutes`` and fails. A multi-process run
+        releases its models at ``finish()``: evaluate before."""
         run = self.run
         # released at finish() (a rollout process has no models and returns {} below)
         if run is None and self.result is not None and self.result.models:
