@@ -180,6 +180,35 @@ def test_transformers_sampler_logprobs_are_the_trainers(tmp_path, min_new_tokens
     assert (rollout.logprobs_sampler[~valid] == 0).all() and (rollout.logprobs_sampler[valid] < 0).all()
 
 
+@pytest.mark.parametrize("temperature, greedy, min_new_tokens", [(0.7, False, 0), (1.0, False, 3), (1.3, False, 0),
+                                                                 (1.0, True, 0)])
+def test_streamed_sampler_logprobs_equal_generates_own_scores(tmp_path, temperature, greedy, min_new_tokens):
+    """The log-probs the engine records one step at a time equal, bit for bit, the obvious way: ``generate``'s
+    ``output_scores`` (every position's processed (B, V) scores kept), log-softmaxed and picked at the sampled tokens;
+    the same seed samples the same tokens with the recorder as without."""
+    from transformers import GenerationConfig
+
+    from tether.hf import load_causal_lm, load_tokenizer
+    from tether.rollout.sampling import checkpoint_defaults_off, encode_prompts, generate, sampling_config
+
+    path = make_policy_dir(tmp_path)
+    tokenizer, model = load_tokenizer(path), load_causal_lm(path)
+    query, mask = encode_prompts(tokenizer, ["12+30=", "4+5=", "7+77=", "1+1=", "99+1="], 16, False)
+    torch.manual_seed(5)
+    ours = generate(model, tokenizer, query, mask, 9, temperature, greedy=greedy, min_new_tokens=min_new_tokens,
+                    sampler_logprobs=True)
+    config = sampling_config(tokenizer, model, 9, temperature, greedy, min_new_tokens)
+    config = GenerationConfig(**{**config.to_dict(), "output_scores": True, "return_dict_in_generate": True})
+    torch.manual_seed(5)
+    with torch.no_grad(), checkpoint_defaults_off(model):
+        out = model.generate(input_ids=query, attention_mask=mask, generation_config=config)
+    valid = ours.response_mask.bool()
+    assert torch.equal(out.sequences[:, query.shape[1]:][valid], ours.response[valid])
+    obvious = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, out.sequences[:, query.shape[1]:, None])
+    assert torch.equal(ours.logprobs_sampler[valid], obvious.squeeze(-1)[valid])
+    assert (ours.logprobs_sampler[~valid] == 0).all() and valid.sum() > 20
+
+
 def test_gpu_memory_share_by_hand():
     """The engine's share of an 80 GB device for 14 GB of weights and 4 GB of KV cache: (14 + 4)·1.2 + 1 GiB over
     80 GB; capped at vLLM's 0.9 when more is asked."""

@@ -34,6 +34,7 @@ from tether.ppo.models import (
     load_policy,
     same_vocabulary,
 )
+from tether.ppo.offpolicy import OneStepOff
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
 from tether.ppo.prompts import PromptStream, load_prompts
@@ -92,6 +93,7 @@ class Data:
     sources: list[Callable]        # each (prompts, responses, fields) -> (B,) scores
     gold: Callable | None          # rule for eval/accuracy
     running_scores: RunningMoments
+    ahead: OneStepOff | None = None  # --async-rollout 1: the batch in flight to the rollout processes (C7)
 
 
 @dataclass
@@ -292,5 +294,6 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     processes.closing.append(models.engine.close)
     gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size),
-                eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments())
+                eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments(),
+                ahead=OneStepOff() if cfg.generation.async_rollout else None)
     return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))

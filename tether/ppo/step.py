@@ -4,9 +4,10 @@
 
   1. rollout: K samples per prompt (B1, B17)        6. advantages: GAE with the truncation bootstrap (B7), or
   2. old log-probs, training-side forward (B2)         a critic-free estimator on the groups of K (B17)
-  3. reference log-probs (B3)                       7. whiten GAE's advantages (B8); freeze: the Experience
-  4. values V_old(s_t) and V_old(s_T) (a critic)    8. ppo_epochs × shuffled minibatches of groups (B9, B6)
-  5. scores (B4) → per-token rewards (B5)           9. early stop on approx KL to π_old (B10)
+  3. reference log-probs (B3)                       7. whiten GAE's advantages (B8); the off-policy correction's
+  4. values V_old(s_t) and V_old(s_T) (a critic)       weights (B19); freeze: the Experience
+  5. scores (B4) → per-token rewards (B5)           8. ppo_epochs × shuffled minibatches of groups (B9, B6)
+                                                    9. early stop on approx KL to π_old (B10)
                                                    10. KL controller (B11)
 
 It reads a :class:`~tether.ppo.setup.Run` (processes, models, optimisation, data) and makes the two
@@ -33,6 +34,7 @@ from tether.ppo.metrics import (
     throughput_metrics,
     value_metrics,
 )
+from tether.ppo.offpolicy import Batch, correction_metrics, step_correction_weights
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.prompts import collate_fields
 from tether.ppo.records import Experience
@@ -64,17 +66,12 @@ def ppo_step(run, cfg, step: int) -> dict:
     """One PPO step on ``run`` (:class:`~tether.ppo.setup.Run`). Returns the metrics."""
     p, m, o, d = run.processes, run.models, run.optim, run.data
     timer = PhaseTimer()
-    temperature, k = cfg.generation.temperature, cfg.samples_per_prompt
-    rows = [row for row in d.prompts.next_batch() for _ in range(k)]  # K adjacent rows per prompt: a group (B17)
-    prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
+    temperature = cfg.generation.temperature
 
-    # 1. Rollout (B1): an engine holding its own weights takes the current ones first (C3; here, so a resumed
-    # run is covered too), then samples with the KV cache until every row ended; EOS vs truncated recorded.
-    if m.engine.syncs_weights:
-        with timer("weight_sync"):
-            m.engine.sync_weights(m.unwrapped_policy)
-    with timer("generate"):
-        rollout, responses = rollout_batch(m, cfg, rows)
+    # 1. Rollout (B1): sampled now, or received from the rollout processes one step ahead (C7).
+    batch = sample_batch(run, cfg, step, timer)
+    rows, rollout, responses = batch.rows, batch.rollout, batch.responses
+    prompts, fields = [r["prompt"] for r in rows], collate_fields(rows)
     response_mask = rollout.response_mask.float()  # (B, T)
 
     with timer("score"):  # charged to its parts, SCORE_PHASES (C2)
@@ -119,7 +116,8 @@ def ppo_step(run, cfg, step: int) -> dict:
     experience = Experience(rollout=stand_in_rows(rollout, valid), logprobs_old=logprobs_old,
                             logprobs_ref=logprobs_ref, values_old=values_old, last_values=last_values,
                             scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
-                            valid=valid)
+                            valid=valid, is_weights=step_correction_weights(cfg, rollout, logprobs_old,
+                                                                            response_mask))  # B19
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     with timer("train"), torch.enable_grad():
@@ -138,7 +136,25 @@ def ppo_step(run, cfg, step: int) -> dict:
 
     return {**step_metrics(run, cfg, step, timer, rollout, experience, rewards_raw.total, entropy, kl_mean,
                            beta_used, epochs_run),
+            **({"rollout/staleness": step - 1 - batch.sampled_at} if d.ahead is not None else {}),
             **train_stats, "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
+
+
+def sample_batch(run, cfg, step: int, timer: PhaseTimer) -> Batch:
+    """Step 1's batch: K adjacent rows per prompt (a group, B17), sampled now — an engine holding its own weights
+    takes the current ones first (C3; here, so a resumed run is covered too), then samples with the KV cache until
+    every row ended, EOS vs truncated recorded — or, one step off (``--async-rollout 1``), the batch the rollout
+    processes sampled while the previous step trained (:class:`~tether.ppo.offpolicy.OneStepOff`)."""
+    m, d = run.models, run.data
+    if d.ahead is not None:
+        return d.ahead.next(run, cfg, step - 1, timer)
+    rows = [row for row in d.prompts.next_batch() for _ in range(cfg.samples_per_prompt)]
+    if m.engine.syncs_weights:
+        with timer("weight_sync"):
+            m.engine.sync_weights(m.unwrapped_policy)
+    with timer("generate"):
+        rollout, responses = rollout_batch(m, cfg, rows)
+    return Batch(rows, rollout, responses, sampled_at=step - 1)
 
 
 def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_old: torch.Tensor | None,
@@ -169,6 +185,7 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, rollout: Rollout, e: Ex
         **group_metrics(p, e.scores, e.valid, cfg.samples_per_prompt),
         **response_metrics(p, rollout),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
+        **correction_metrics(p, cfg, rollout, e.logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps),
         "ppo/epochs_run": epochs_run,

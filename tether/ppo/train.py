@@ -55,6 +55,13 @@ def evaluates_here(run) -> bool:
     return run.processes.is_main or run.models.fsdp is not None or run.models.engine.collective
 
 
+def settle_rollouts(run) -> None:
+    """Collect a batch in flight to the rollout processes (one step off, C7) before the engine serves anything else:
+    the rollout processes answer requests in order."""
+    if run.data.ahead is not None:
+        run.data.ahead.collect(run)
+
+
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
     """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
     forward, and a collective engine's generate, are collective: every process evaluates the same rows, the main
@@ -147,7 +154,7 @@ class PPOTrainer:
         notes = metrics.pop("health/notes", [])
         self.skip_streak = self.skip_streak + 1 if metrics["ppo/updates"] == 0 else 0
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
-            metrics.update(self.evaluated(step))
+            metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
         record = StepRecord(step=step, metrics={"step": step, **metrics})
         row = self.callbacks("on_step_end", record, into=record.metrics)
         alerts = self.monitor.update(step, row, final=step == cfg.steps)
@@ -217,11 +224,13 @@ class PPOTrainer:
                               "evaluate before train() ends (e.g. from a callback) or load the exported policy")
         if run is None or not evaluates_here(run):
             return {}
+        settle_rollouts(run)
         metrics, _ = evaluate(self.run, self.cfg, self.steps_done)
         return metrics if self.run.processes.is_main else {}
 
     def evaluated(self, step: int) -> dict:
         """The step's evaluation (:func:`evaluate_and_log`) with the metrics ``on_evaluate`` callbacks add."""
+        settle_rollouts(self.run)
         metrics = evaluate_and_log(self.run, self.cfg, self.log, step)
         return self.callbacks("on_evaluate", dict(metrics), into=metrics) if metrics else metrics
 
