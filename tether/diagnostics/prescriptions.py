@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from tether.diagnostics.groups import flat_groups_prescriptions
 from tether.diagnostics.health import (COLLAPSE, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL, NOT_LEARNING, RATIO,
-                                       REWARD_HACKING, VALUE_COLLAPSE)
+                                       REWARD_HACKING, SAMPLER_MISMATCH, VALUE_COLLAPSE)
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -113,4 +113,15 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
     ],
     # B17: the first line depends on which way the groups are flat (tether.diagnostics.groups); this is the usual one
     NO_SIGNAL: [Rx(*rx) for rx in flat_groups_prescriptions([])],
+    # B19, tether's: correct what the engine's distribution costs, then make it smaller (docs/sampling.md)
+    SAMPLER_MISMATCH: [
+        Rx("correct it: weight each token's policy loss by min(π_old/π_engine, C), truncated importance sampling",
+           "correction.mode", lambda c: "tis", _is("tis", "mis")),
+        Rx("and drop the sequences furthest off (masked importance sampling: weight 0 past correction.bound)",
+           "correction.mode", lambda c: "mis", _is("mis")),
+        Rx("check the weight sync: perf/seconds_weight_sync > 0 at every step (an engine that kept old weights, or "
+           "served a stale prefix cache, samples the previous policy)", None),
+        Rx("sample and score in fp32 if the run can afford it (bf16 engine kernels differ from the trainer's bf16 "
+           "autocast by ~1e-3 per token; fp32 by ~1e-7)", "model.dtype", lambda c: "fp32", _is("fp32")),
+    ],
 }
