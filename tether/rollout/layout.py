@@ -141,8 +141,10 @@ class Link:
         return torch.distributed.ProcessGroupGloo(prefixed, rank, size, self.timeout)
 
     # ------------------------------------------------------------------ messages (CPU tensors, point to point)
-    def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
-        self.messages.send([tensor.cpu().contiguous()], to, tag).wait()
+    def send(self, tensor: torch.Tensor, to: int, tag: int, timeout: timedelta | None = None) -> None:
+        """``timeout``: as :meth:`recv`'s (a send completes when the peer receives it)."""
+        work = self.messages.send([tensor.cpu().contiguous()], to, tag)
+        work.wait(timeout) if timeout is not None else work.wait()
 
     def recv(self, tensor: torch.Tensor, source: int, tag: int, timeout: timedelta | None = None) -> torch.Tensor:
         """``timeout``: this wait's own limit instead of the group's (gloo fails it at once all the same when the

@@ -55,7 +55,9 @@ def left_padded(queries: list[torch.Tensor], masks: list[torch.Tensor], pad_id: 
 
 
 def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
-    """One GENERATE: every request of this process's trainers, sampled in one batch, each trainer's rows back."""
+    """One GENERATE: every request of this process's trainers, sampled in one batch, each trainer's rows back. A
+    trainer takes its rows when its step needs them (one step off, after training the previous batch): the replies
+    wait as long as it lives."""
     layout = link.layout
     trainers = layout.trainers_of(layout.rank)
     requests = []
@@ -76,9 +78,10 @@ def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
         rows = slice(start, start + len(q))
         start += len(q)
         width = max(int(rollout.lengths[rows].max()), 1)  # this trainer's rows' columns only
-        link.send(torch.tensor([width]), trainer, Link.REPLY)
-        link.send(rollout.response[rows, :width], trainer, Link.REPLY)
-        link.send(rollout.logprobs_sampler[rows, :width].float(), trainer, Link.REPLY)
+        with link.guard([trainer], "this process held its samples", timed=False):
+            for reply in (torch.tensor([width]), rollout.response[rows, :width],
+                          rollout.logprobs_sampler[rows, :width].float()):
+                link.send(reply, trainer, Link.REPLY, timeout=IDLE_WAIT)
 
 
 def serve(cfg) -> Path:
