@@ -115,6 +115,38 @@ def test_weights_arrive_bitwise_equal(tmp_path):
         assert dtypes == ({"torch.bfloat16", "torch.float32"} if case == "llama_bf16" else {"torch.float32"})
 
 
+def test_async_rollout_is_one_step_off_and_resumes_exactly(tmp_path):
+    """--async-rollout 1, 2 DDP trainers + 1 rollout process, tis correction: every step's batch is at most one
+    update old (rollout/staleness 0 at step 1, then 1), its behaviour log-probs are the engine's (mismatch metrics,
+    weights ≠ 1 once the policy moved); a run stopped at step 2 and resumed to 4 (its checkpoint holds the batch in
+    flight) gives steps 3-4 and a final policy equal to the straight 4-step run's, bit for bit."""
+    policy, prompts = make_policy_dir(tmp_path / "gpt2"), make_prompts_file(tmp_path, n=40)
+    base = ["-m", "tether", "ppo", "--policy", str(policy), "--prompts", str(prompts), "--reward",
+            "tether.rules:char_share:char=7", "--gold", "none", "--batch-size", "4", "--mini-batches", "2",
+            "--ppo-epochs", "2", "--max-new-tokens", "6", "--lr", "3e-3", "--progress", "false",
+            "--rollout-processes", "1", "--async-rollout", "1", "--rollout-correction", "tis",
+            "--save-every-minutes", "0"]
+
+    def launch(out, *extra):
+        accelerate_launch([*base, "--output-dir", str(out), *extra], tmp_path / f"logs-{out.name}-{len(extra)}",
+                          config="disaggregated.yaml", processes=3, timeout=600)
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(straight, "--steps", "4", "--save-every", "2")
+    launch(split, "--steps", "2")
+    launch(split, "--steps", "4", "--resume")
+    a, b = rows(straight), rows(split)
+    assert [r["rollout/staleness"] for r in a] == [0, 1, 1, 1] == [r["rollout/staleness"] for r in b]
+    assert all(r["rollout/mismatch_kl"] >= 0 for r in a) and a[-1]["rollout/is_weight_max"] > 1.0
+    assert a[0]["rollout/mismatch_kl"] < 1e-9  # step 1: sampled and scored with the same weights, in fp32
+    for x, y in zip(a[2:], b[2:]):
+        assert {k: v for k, v in x.items() if not k.startswith("perf/")} == \
+            {k: v for k, v in y.items() if not k.startswith("perf/")}
+    assert (straight / "policy" / "model.safetensors").read_bytes() == (split / "policy" / "model.safetensors").read_bytes()
+    saved = torch.load(split / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True)["in_flight"]
+    assert [b["sampled_at"] for b in saved] == [1, 1] and all(len(b["rows"]) == 4 for b in saved)
+
+
 def rank_pid(marker: str, rank: int) -> int | None:
     """The pid of the launched process of ``rank`` whose command line mentions ``marker``."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -128,15 +160,17 @@ def rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("how", ["stopped", "killed"])
+@pytest.mark.parametrize("how", ["stopped", "killed", "killed_in_flight"])
 def test_a_lost_rollout_process_ends_the_run_with_one_line(files, tmp_path, how):
     """After step 1 the rollout process is lost, 1 trainer + 1 rollout process: ``stopped`` (SIGSTOP: alive to the
     launcher, silent to the trainer, the case that would hang) — the trainer's next wait gives up at the 12 s
     timeout; ``killed`` (SIGKILL, the rollout process on a second machine, so that no launcher of the trainer's
-    tears the run down for it) — its sockets close and the trainer's wait fails at once. Either way one line naming
-    rank 1, and the trainer's launch exits non-zero."""
+    tears the run down for it) — its sockets close and the trainer's wait fails at once; ``killed_in_flight``: the
+    same one step off (--async-rollout 1), with the next batch in flight. Either way one line naming rank 1, and the
+    trainer's launch exits non-zero."""
     out, port = tmp_path / "run", free_port()
-    args = ppo_args(files, out, "--rollout-processes", "1", "--collective-timeout-minutes", "0.2", steps=500)
+    extra = ["--async-rollout", "1"] if how == "killed_in_flight" else []
+    args = ppo_args(files, out, "--rollout-processes", "1", "--collective-timeout-minutes", "0.2", *extra, steps=500)
     machines = [(0, 1)] if how == "stopped" else [(0, 2), (1, 2)]
     launches = [start_launch(args, tmp_path / f"logs{m}", config=None, processes=2, port=port,
                              machine=None if how == "stopped" else (m, n)) for m, n in machines]
