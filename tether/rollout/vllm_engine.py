@@ -1,5 +1,6 @@
 """The vLLM rollout engine (C3): an in-process vLLM ``LLM`` samples the rollouts and takes the trainer's weights
-before every rollout. Log-probs still come from the training-side forward (B2); vLLM only picks the tokens.
+before every rollout. PPO's log-probs still come from the training-side forward (B2); vLLM picks the tokens and
+reports its own log-probs of them, kept beside the trainer's for the mismatch metrics and the correction (B19).
 
 Layouts (reference 000 §C, docs/sampling.md): one engine beside each trainer process (colocated, "hybrid"), one
 tensor-parallel engine per ``--engine-tp`` processes (vLLM's ``external_launcher`` executor inside the launched
