@@ -58,6 +58,7 @@ def check_run(run: Path, evaluated: bool = False) -> list[dict]:
     got = [r for r in rows(run) if "rollout/logprob_gap_max" in r]
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all(r["rollout/logprob_gap_max"] <= 1e-4 for r in got), [r["rollout/logprob_gap_max"] for r in got]
+    assert all(0 <= r["rollout/mismatch_kl"] <= 1e-6 and r["rollout/is_truncated_fraction"] == 0 for r in got)
     assert got[-1]["objective/kl_max"] > 0  # the policy was updated before the last rollouts
     assert all(r["perf/seconds_weight_sync"] > 0 for r in got)
     assert all(abs(r["perf/seconds_weight_gather"] + r["perf/seconds_weight_transfer"]
