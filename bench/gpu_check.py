@@ -11,6 +11,18 @@ gather and transfer), tokens/s, the rollout share, and memory against the planne
   plan's memory share and sleeping (level 2) while the trainer trains.
 - ``disaggregated-vllm``: ``--rollout-processes R`` (R = N / 2; on one GPU a trainer and a rollout process share
   it, with gloo for the weights since NCCL refuses two ranks on one device), vLLM on the rollout processes.
+- ``disaggregated-vllm-async``: the same one step off (``--async-rollout 1``): s/step against the synchronous
+  variant's, and every step's ``rollout/staleness`` (0, then 1; never more).
+
+The vLLM variants run with ``--rollout-correction tis`` and print the bf16 engine's mismatch to the trainer
+(``rollout/mismatch_kl``, the IS weights, the truncated share): the figure B19 corrects, which a CPU cannot show.
+Issue 41's GPU-only fixes are checked where they act, each printed with OK or CHECK:
+
+- the weight sync's seconds are the transfer's, not NCCL's enqueue: one more sync timed with the device
+  synchronised around it, against the seconds the engine reports (OK within 20% or 50 ms);
+- the weights group's backend (NCCL when every member has a GPU of its own), the bytes one sync sends (a bf16 run:
+  Linear weights in bf16, about half of the fp32 masters), and, with R >= 1 rollout processes on N >= 2 GPUs,
+  the device memory in use on every GPU: each rollout process's vLLM engine on its own GPU, not all on cuda:0.
 
 vLLM allocates outside torch's allocator statistics (sleep mode's pool), so the vLLM variants also report the
 device memory in use after the last step (``torch.cuda.mem_get_info``: every process on the GPU), against the
@@ -33,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is 12 plus 30?", "Name a colour of the sky.", "Write one short sentence about cats.",
            "What is 7 times 6?", "Say hello in French.", "Give a word that rhymes with blue."]
-VARIANTS = ("fsdp2-lora", "fsdp2-full", "colocated-vllm", "disaggregated-vllm")
+VARIANTS = ("fsdp2-lora", "fsdp2-full", "colocated-vllm", "disaggregated-vllm", "disaggregated-vllm-async")
 
 
 def run_config(a):
@@ -45,10 +57,56 @@ def run_config(a):
     cfg.model.lora_r = 0 if a.variant == "fsdp2-full" else 16
     cfg.reward.sources, cfg.reward.gold = ["tether.rules:char_share"], "none"
     cfg.batch_size, cfg.generation.max_new_tokens, cfg.steps = a.batch_size, 64, a.steps
-    cfg.generation.engine = "vllm" if a.variant.endswith("vllm") else "transformers"
+    cfg.generation.engine = "vllm" if "vllm" in a.variant else "transformers"
     cfg.generation.rollout_processes = a.rollout_processes
+    cfg.generation.async_rollout = int(a.variant.endswith("async"))
+    cfg.correction.mode = "tis" if "vllm" in a.variant else "none"
     cfg.validate()
     return cfg
+
+
+def issue41_checks(a, run, rows: list[dict]) -> None:
+    """Trainer 0, after the steps: the fixes a GPU alone can show (see the module docstring)."""
+    import time
+
+    import torch
+
+    from tether.rollout.weights import manifest
+
+    m, p = run.models, run.processes
+    engine = m.engine
+    if engine.syncs_weights:
+        if run.data.ahead is not None:
+            run.data.ahead.collect(run)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.sync_weights(m.unwrapped_policy)  # collective where the sync is: every trainer runs these checks
+        torch.cuda.synchronize()
+        wall, reported = time.perf_counter() - start, engine.sync_seconds.gather + engine.sync_seconds.transfer
+        sent = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for spec in
+                   manifest(m.unwrapped_policy, getattr(engine, "dtype", None)) for _, shape, dtype, tied in spec
+                   if not tied)
+        masters = sum(t.numel() * 4 for t in m.unwrapped_policy.parameters())
+        if p.is_main:
+            ok = abs(wall - reported) <= max(0.2 * wall, 0.05)
+            print(f"{a.variant}: weight sync reported {reported:.3f} s, synchronised wall {wall:.3f} s -> "
+                  f"{'OK' if ok else 'CHECK (enqueue time?)'}; {sent / 1e6:.1f} MB sent per sync (fp32 masters "
+                  f"{masters / 1e6:.1f} MB)")
+            link = getattr(engine, "link", None)
+            if link is not None:
+                print(f"{a.variant}: weights group backend {link.weights_backend}")
+    if p.is_main and "rollout/mismatch_kl" in rows[-1]:
+        keys = ("rollout/mismatch_kl", "rollout/is_weight_mean", "rollout/is_weight_max", "rollout/is_truncated_fraction",
+                "rollout/logprob_gap_mean")
+        print(f"{a.variant}: bf16 engine vs trainer, per step: " + "; ".join(
+            ", ".join(f"{k.split('/')[1]} {r[k]:.3g}" for k in keys) for r in rows))
+    if p.is_main and a.variant.endswith("async"):
+        stale = [r.get("rollout/staleness") for r in rows]
+        print(f"{a.variant}: rollout/staleness per step {stale} -> {'OK' if stale[0] == 0 and max(stale) <= 1 else 'CHECK'}")
+    if p.is_main and a.rollout_processes and torch.cuda.device_count() >= 2:
+        used = [(lambda f, t: (t - f) / 1e9)(*torch.cuda.mem_get_info(i)) for i in range(torch.cuda.device_count())]
+        print(f"{a.variant}: device memory in use per GPU (GB): {[round(u, 2) for u in used]} (trainers on the first "
+              f"{p.world_size}, rollout processes on the next: each rollout GPU should hold its engine)")
 
 
 def planned(cfg, trainers: int, zero: int) -> tuple[float, list[dict]]:
@@ -84,6 +142,7 @@ def worker(a) -> None:
     torch.cuda.reset_peak_memory_stats()
     rows = [ppo_step(run, cfg, step) for step in range(1, a.steps + 1)]
     peak = torch.cuda.max_memory_allocated()
+    issue41_checks(a, run, rows)
     free, total = torch.cuda.mem_get_info()
     p = run.processes
     peaks = p.gather_objects(peak)
@@ -109,7 +168,7 @@ def worker(a) -> None:
 
 def launch(a, variant: str, root: str, n: int) -> int:
     """One variant as its own accelerate launch; returns the exit code."""
-    disaggregated = variant == "disaggregated-vllm"
+    disaggregated = variant.startswith("disaggregated")
     processes = max(2, n) if disaggregated else n
     rollouts = max(1, n // 2) if disaggregated else 0
     config = "disaggregated.yaml" if disaggregated else "fsdp2.yaml"
@@ -142,7 +201,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         (Path(root) / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in PROMPTS * 8))
         for variant in a.variants.split(","):
-            if variant.endswith("vllm") and importlib.util.find_spec("vllm") is None:
+            if "vllm" in variant and importlib.util.find_spec("vllm") is None:
                 print(f"bench/gpu_check.py: {variant} skipped: vLLM is not installed (pip install vllm)")
                 continue
             if launch(a, variant, root, n):

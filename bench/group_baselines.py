@@ -14,6 +14,9 @@ reward. The arms differ only in how the 512 rows are drawn and credited:
   dr_grpo
   reinforce_pp  512 prompts × 1 sample, no critic (REINFORCE++'s own form: a batch baseline)
   grpo_klloss   (not in the default set) grpo with the KL as a loss term, β = 0.2 on the k3 token mean
+  gae_async     (not in the default set; issue 41, C7) gae one step off: launched as 1 trainer + 1 rollout process
+                (`--rollout-processes 1 --async-rollout 1 --rollout-correction tis`), the same 512 rows a step
+  gae_split     (not in the default set) the same launch, synchronous: the layout's own control
 
 Printed per seed and arm: held-out gold accuracy of the final policy (greedy, the seed's 500 held-out problems,
 Wilson 95% interval), its lift over SFT and McNemar's exact p against SFT on the same problems, mean seconds per
@@ -44,6 +47,9 @@ ARMS = {  # arm -> (the demo's --advantage, further config changes)
     "dr_grpo": ("dr_grpo", {}),
     "reinforce_pp": ("reinforce_pp", {}),
     "grpo_klloss": ("grpo", {"kl.penalty_in": "loss"}),
+    "gae_async": ("gae", {"generation.rollout_processes": 1, "generation.async_rollout": 1,
+                          "correction.mode": "tis"}),
+    "gae_split": ("gae", {"generation.rollout_processes": 1}),
 }
 DEFAULT_ARMS = "gae,grpo,rloo,dr_grpo,reinforce_pp"
 
@@ -87,10 +93,31 @@ def run_arm(seed_dir: Path, seed: int, arm: str, quick: bool) -> None:
         setattr(getattr(cfg, section) if section else cfg, name, value)
     cfg.validate()
     start = time.perf_counter()
-    train(cfg)
+    if cfg.generation.rollout_processes:  # a launch: the trainer and its rollout process, one thread each
+        launch_arm(seed_dir, arm, cfg)
+    else:
+        train(cfg)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     (seed_dir / f"{arm}.json").write_text(json.dumps({"peak_rss_mb": peak_mb, "seconds": time.perf_counter() - start,
                                                       "config": config_to_dict(cfg)}), encoding="utf-8")
+
+
+def launch_arm(seed_dir: Path, arm: str, cfg) -> None:
+    """``accelerate launch`` of ``cfg`` with 1 + its rollout processes (CPU processes, gloo); the peak RSS then is
+    the launcher's own, not the run's."""
+    import os
+
+    import yaml
+
+    from tether.config import config_to_dict
+
+    path = seed_dir / f"{arm}.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg)), encoding="utf-8")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes",
+           str(1 + cfg.generation.rollout_processes), "--main_process_port", "0", "-m", "tether", "ppo", "--config",
+           str(path)]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
 
 def evaluate_arm(seed_dir: Path, arm: str) -> dict:
@@ -163,7 +190,8 @@ def print_tables(root: Path, seeds: list[int], arms: list[str]) -> None:
         print(f"| {arm} | {len(rs)} | {statistics.median(lifts):+.1f} [{lifts[0]:+.1f}, {lifts[-1]:+.1f}] | "
               f"{sum(r['lift'] > 0 and r['p'] < 0.05 for r in rs.values())}/{len(rs)} | "
               f"{statistics.median(r['seconds_per_step'] for r in rs.values()):.2f} | "
-              f"{statistics.median(ratios):.2f} | {statistics.median(r['peak_rss_mb'] for r in rs.values()):.0f} | "
+              f"{statistics.median(ratios) if ratios else float('nan'):.2f} | "
+              f"{statistics.median(r['peak_rss_mb'] for r in rs.values()):.0f} | "
               + (f"{100 * statistics.fmean(flat):.1f}% |" if flat else "– |"))
 
 

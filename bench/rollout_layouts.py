@@ -13,8 +13,14 @@ region than 2 single-threaded processes do); a 2-core machine runs 3 processes i
 trainers wait while the rollout process generates and vice versa, as PPO's synchronous step does. On a GPU
 machine each process takes one GPU.
 
+``--layouts sync,async`` compares the disaggregated layout synchronous and one step off (``--async-rollout 1``,
+C7): there seconds_generate is the part of the generation that the previous step's training did not hide, and
+the speed-up is the ratio of the two s/step, each the median of the interleaved repeats. ``--critic head`` uses a
+value head instead of the separate critic (less scoring, a larger rollout share).
+
 Usage: python bench/rollout_layouts.py [--size medium|small | --model PRESET] [--engine transformers|vllm]
-       [--repeats 3] [--steps 4] [--batch 64] [--new-tokens 48] [--epochs 4] [--mini-batches 4] [--json FILE]
+       [--repeats 3] [--steps 4] [--batch 64] [--new-tokens 48] [--epochs 4] [--mini-batches 4]
+       [--layouts all|sync,async] [--critic separate|head] [--json FILE]
 """
 
 import argparse
@@ -33,7 +39,9 @@ from ppo_step import SIZES, WORDS, build_models  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"1 process": (1, 1, []), "2 colocated": (2, 2, []),  # (processes, trainers, flags)
-           "2 trainers + 1 rollout": (3, 2, ["--rollout-processes", "1"])}
+           "2 trainers + 1 rollout": (3, 2, ["--rollout-processes", "1"]),
+           "2 trainers + 1 rollout, async": (3, 2, ["--rollout-processes", "1", "--async-rollout", "1"])}
+DEFAULT_LAYOUTS = ("1 process", "2 colocated", "2 trainers + 1 rollout")
 PHASES = ("seconds_step", "seconds_generate", "seconds_weight_sync", "seconds_weight_gather",
           "seconds_weight_transfer", "seconds_score", "seconds_train", "tokens_per_second", "rollout_share")
 
@@ -80,8 +88,12 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--mini-batches", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="threads per process (default: 2 alone, 1 with several)")
+    p.add_argument("--layouts", default="all", help="'all' (1 process, 2 colocated, 2 + 1) or 'sync,async' (2 + 1 "
+                   "synchronous and one step off)")
+    p.add_argument("--critic", choices=("separate", "head"), default="separate")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
+    layouts = DEFAULT_LAYOUTS if a.layouts == "all" else ("2 trainers + 1 rollout", "2 trainers + 1 rollout, async")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if a.model:
@@ -89,14 +101,15 @@ def main() -> int:
         else:
             policy_dir, rm_dir, n_params = build_models(root, a.size)
             policy, reward = str(policy_dir), ["--reward", str(rm_dir)]
-            critic, label = ["--critic", "separate", "--critic-model", str(rm_dir)], f"{n_params / 1e6:.1f}M GPT-2"
+            critic = ["--critic", "separate", "--critic-model", str(rm_dir)] if a.critic == "separate" else []
+            label = f"{n_params / 1e6:.1f}M GPT-2, {a.critic} critic"
         rng = random.Random(0)
         prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))).capitalize() for _ in range(256)]
         (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts))
         args = ppo_args(root, a, policy, reward, critic, root / "run", a.batch)
-        figures = {name: [] for name in LAYOUTS}
+        figures = {name: [] for name in layouts}
         for repeat in range(a.repeats):
-            for name in LAYOUTS:  # interleaved: a drifting machine affects every layout alike
+            for name in layouts:  # interleaved: a drifting machine affects every layout alike
                 figures[name].append(run_layout(root, a, name, args, repeat))
                 print(f"  repeat {repeat + 1}: {name}: {figures[name][-1]['seconds_step']:.2f} s/step", flush=True)
     median = {name: {k: statistics.median(r[k] for r in runs) for k in PHASES} for name, runs in figures.items()}
@@ -109,6 +122,13 @@ def main() -> int:
         print(f"  {name:24s} {m['seconds_step']:7.2f} {m['seconds_generate']:9.2f} {m['seconds_weight_sync']:7.3f} "
               f"{m['seconds_weight_gather']:8.3f} {m['seconds_weight_transfer']:9.3f} {m['seconds_score']:7.2f} "
               f"{m['seconds_train']:7.2f} {m['tokens_per_second']:9.0f} {100 * m['rollout_share']:7.0f}%")
+    if "2 trainers + 1 rollout, async" in median:
+        sync, one_off = (median[n]["seconds_step"] for n in ("2 trainers + 1 rollout", "2 trainers + 1 rollout, async"))
+        ratios = [x["seconds_step"] / y["seconds_step"] for x, y in
+                  zip(figures["2 trainers + 1 rollout"], figures["2 trainers + 1 rollout, async"])]
+        print(f"  async vs sync: {sync / one_off:.2f}x (ratio of the medians); per repeat "
+              + ", ".join(f"{r:.2f}" for r in ratios) + f"; sync rollout share "
+              f"{100 * median['2 trainers + 1 rollout']['rollout_share']:.0f}%")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": label, "engine": a.engine, "median": median, "runs": figures},
                                            indent=1))

@@ -1,5 +1,7 @@
 """Set up a bf16 PPO run under FSDP2, take one PPO step with one optimizer update, and write the bytes this
-process allocates for the trained models' weights, gradients and AdamW moments. Used by tests/test_plan.py.
+process allocates for the trained models' weights, gradients and AdamW moments, for the frozen reference, and for
+the whole policy that generation gathers (FSDP2's unshard, as the transformers engine does it). Used by
+tests/test_plan.py.
 
 ``accelerate launch --config_file examples/accelerate/fsdp2.yaml --num_processes 2 fsdp_memory_worker.py
 POLICY PROMPTS OUT.json``: the policy is a full fine-tune (fp32 masters of a bf16 checkpoint), the critic a
@@ -54,8 +56,14 @@ def main(policy: str, prompts: str, out: str) -> None:
     assert run.models.fsdp is not None and run.processes.world_size == 2
     metrics = ppo_step(run, cfg, 1)
     assert metrics["ppo/updates"] == 1  # one optimizer step: gradients and Adam moments all exist now
+    from tether.sharding import gathered
+
+    with gathered(run.models.policy_model, run.models.fsdp):  # the parameters are the unsharded ones meanwhile
+        generation = measure(list(run.models.policy_model.parameters()))
+        assert not any(hasattr(p, "to_local") for p in run.models.policy_model.parameters())
     mine = {"policy": model_bytes(run.models.policy_model, run.optim.policy_optimizer),
-            "critic": model_bytes(run.models.critic, run.optim.critic_optimizer)}
+            "critic": model_bytes(run.models.critic, run.optim.critic_optimizer),
+            "reference": measure(list(run.models.policy.reference.parameters())), "gathered": generation}
     every = run.processes.gather_objects(mine)
     if run.processes.is_main:
         Path(out).write_text(json.dumps(every, indent=1), encoding="utf-8")

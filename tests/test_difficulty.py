@@ -15,7 +15,7 @@ from tether.ppo.curriculum import Curriculum
 from tether.ppo.draw import draw_step_batch
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.setup import setup
-from tether.ppo.step import ppo_step, rollout_batch
+from tether.ppo.step import ppo_step, sample_batch
 from tether.ppo.train import train
 
 
@@ -35,7 +35,7 @@ def test_flat_groups_are_dropped_and_replaced_by_the_next_draws(files, tmp_path)
     cfg = _cfg(tmp_path, files, difficulty__max_rounds=20)
     run = setup(cfg)
     replay = copy.deepcopy(run.data.prompts)  # the stream as the step will draw from it
-    batch = draw_step_batch(run, cfg, PhaseTimer(), rollout_batch)
+    batch = draw_step_batch(run, cfg, PhaseTimer(), lambda: sample_batch(run, cfg, 1, PhaseTimer()))
     # by hand: draw rounds of 4 prompts until 4 non-flat ones are found, in draw order
     expected, drawn = [], 0
     while len(expected) < 4:
@@ -74,7 +74,7 @@ def test_short_batch_keeps_its_shape_and_weighs_only_the_groups_with_spread(file
     run = setup(cfg)
     _, rows = copy.deepcopy(run.data.prompts).draw()
     spread = [r["prompt"] for r in rows if not is_flat(r["prompt"])]
-    batch = draw_step_batch(run, cfg, PhaseTimer(), rollout_batch)
+    batch = draw_step_batch(run, cfg, PhaseTimer(), lambda: sample_batch(run, cfg, 1, PhaseTimer()))
     assert [r["prompt"] for r in batch.rows[::K]][:len(spread)] == spread
     assert batch.kept.tolist() == [True] * (len(spread) * K) + [False] * ((4 - len(spread)) * K)
     assert batch.metrics["filter/groups_short"] == 4 - len(spread)

@@ -111,6 +111,28 @@ def test_sampler_gap_is_the_cause_before_the_ratio_it_breaks():
     assert diagnose(healthy_rows()).unchecked == []  # a transformers run has no gap and is not short of a check
 
 
+def test_sampler_mismatch_is_named_with_the_correction_first():
+    """The engine's distribution drifts from the trainer's (bf16 kernels, a stale cache): rollout/mismatch_kl leaves
+    its band at step 20 (0.03 > 0.02 for 2 steps) before the ratio suffers at 25: the doctor names the sampler
+    mismatch and prescribes the correction first; with --rollout-correction tis in place it is listed as such and
+    masking (mis) comes first. One step off, the same values (one update's KL, by design) are not judged."""
+    rows = healthy_rows()
+    for r in rows:
+        r["rollout/mismatch_kl"] = 1e-4 if r["step"] < 20 else 0.03
+        if r["step"] >= 25:
+            r["policy/ratio_std"] = 0.6
+    d = diagnose(rows)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("sampler mismatch", "rollout/mismatch_kl", 20)
+    assert [p["key"] for p in d.prescriptions][:2] == ["correction.mode", "correction.mode"]
+    assert d.prescriptions[0]["suggestion"] == "tis"
+    corrected = diagnose(rows, run_config={"correction": {"mode": "tis"}})
+    assert [(p["suggestion"], p["in_place"]) for p in corrected.prescriptions if p["key"] == "correction.mode"] == [
+        ("mis", False), (None, True)]
+    for r in rows:
+        r["rollout/staleness"] = 1 if r["step"] > 1 else 0
+    assert diagnose(rows).cause_metric == "policy/ratio_std"
+
+
 def test_kl_band_reads_the_percentile_not_the_max():
     rows = healthy_rows()
     for r in rows[20:]:

@@ -89,3 +89,31 @@ def test_doctor_names_the_rollout_layout_of_the_share():
     config["generation"].update(rollout_processes=0, engine_tp=2)
     assert diagnose(rows, run_config=config).layout == "colocated, vllm TP=2"
     assert diagnose(rows, run_config={"steps": len(rows)}).layout == ""
+
+
+def test_the_verdict_counts_what_each_layout_holds_in_the_rollout():
+    """Issue 41's case, the 7B preset, bf16 full fine-tune with a value head, ZeRO-3 over 8 GPUs, B 8, 512 + 512: the
+    rollout phase holds the reference and the RM whole (14 GB each, not 1.75 GB shards) and, with the transformers
+    engine, the whole fp32 policy FSDP2 generation gathers (28 GB): 75.29 GB where the plan said 22.79. With vLLM
+    colocated the actor's KV is the engine's (its weights, its KV, a sync's two blocks); disaggregated, a trainer
+    holds the sync's two blocks and no KV."""
+    from tether.diagnostics.plan import kv_cache_bytes, plan
+
+    cfg = PlanConfig(model="7b", dtype="bf16", batch_size=8, prompt_length=512, response_length=512, zero=3, gpus=8,
+                     critic="head")
+    shape = resolve_shape("7b")
+    rollout = plan(shape, cfg)["phases"]["rollout"]
+    assert rollout["reference"]["weights"] == rollout["RM"]["weights"] == 14e9
+    assert rollout["engine"]["weights"] == 7e9 * 4 and rollout["engine"]["kv_cache"] == 0
+    assert rollout["actor"]["kv_cache"] == KV
+    actor = 1.75e9 + 7e9 + 3.5e9 + rollout["actor"]["activations"] + KV  # shard + Adam + master + the log-prob pass
+    assert rollout["actor"]["total"] == actor
+    total = actor + rollout["critic"]["total"] + 14e9 + 14e9 + 28e9
+    assert plan(shape, cfg)["totals"]["rollout"] == pytest.approx(total) and total / GB == pytest.approx(75.29, abs=0.01)
+    block = 2 * 32000 * 4096 * 4  # the largest unit a sync gathers (embeddings + head), fp32 trained weights
+    vllm = plan(shape, PlanConfig(**{**cfg.__dict__, "engine": "vllm", "engine_tp": 2}))["phases"]["rollout"]
+    assert vllm["actor"]["kv_cache"] == 0
+    assert (vllm["engine"]["weights"], vllm["engine"]["kv_cache"]) == (7e9 + 2 * block, KV)
+    split = plan(shape, PlanConfig(**{**cfg.__dict__, "rollout_processes": 8}))["phases"]["rollout"]
+    assert (split["actor"]["kv_cache"], split["engine"]["weights"], split["engine"]["kv_cache"]) == (0, 2 * block, 0)
+    assert kv_cache_bytes(shape, 8, 1024, 2) == KV

@@ -44,6 +44,7 @@ def test_default_table_is_the_reference_d1():
     assert got["length_collapse"][2:] == (0.5, None, "mode collapse")
     assert got["gold_drop"][0] == "eval/accuracy"
     assert got["sampler_gap"] == ("rollout/logprob_gap_mean", (None, 0.01), None, 0.05, "ratio out of control")
+    assert got["rollout_mismatch"] == ("rollout/mismatch_kl", (None, 0.002), None, 0.02, "sampler mismatch")
     assert all(b.meaning for b in BANDS)
 
 
@@ -55,6 +56,7 @@ def test_default_table_is_the_reference_d1():
     ("not_learning", 0.01, "alarm"), ("not_learning", 0.1, "ok"),
     ("kl_max", float("nan"), "alarm"), ("kl_max", float("inf"), "alarm"),
     ("sampler_gap", 1e-7, "ok"), ("sampler_gap", 0.03, "warn"), ("sampler_gap", 0.2, "alarm"),
+    ("rollout_mismatch", 1e-14, "ok"), ("rollout_mismatch", 0.005, "warn"), ("rollout_mismatch", 0.05, "alarm"),
 ])
 def test_band_state(name, value, state):
     assert band(name).state(value) == state

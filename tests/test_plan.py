@@ -268,7 +268,9 @@ def test_fsdp2_two_processes_allocate_the_planned_bytes_per_process(tmp_path):
     """ZeRO-3 over 2 GPUs is what FSDP2 on 2 processes allocates, exactly: a bf16 full fine-tune's policy
     (fp32 masters) and a separate LoRA critic (bf16 base, fp32 adapters and MLP head) after one PPO update
     (tests/fsdp_memory_worker.py). The tiny GPT-2's vocabulary of 43 rows and the head's Linear(d, 1) do not
-    split evenly: FSDP2 pads each tensor to ceil(d0 / 2) rows, which the plan counts."""
+    split evenly: FSDP2 pads each tensor to ceil(d0 / 2) rows, which the plan counts. The frozen reference (the
+    bf16 twin) is whole on each process, and generation gathers the whole fp32 policy, padded: the plan's rollout
+    phase counts both (issue 41; it had sharded the reference and left the gathered policy out of its verdict)."""
     from pathlib import Path
 
     from launcher import accelerate_launch
@@ -307,6 +309,14 @@ def test_fsdp2_two_processes_allocate_the_planned_bytes_per_process(tmp_path):
         print(f"{role}: planned per GPU {[planned[k] for k in ('weights', 'grads', 'master', 'adam')]} = "
               f"{planned['total']} B; allocated (weights, grads, adam) rank 0 {list(allocated.values())}, rank 1 "
               f"{[other[k]['allocated'] for k in ('weights', 'grads', 'adam')]}")
+    planned = plan(shape, cfg)
+    for rank in ranks:
+        assert rank["reference"]["allocated"] == planned["static"]["reference"]["weights"]
+        assert rank["gathered"]["allocated"] == planned["phases"]["rollout"]["engine"]["weights"]
+    assert planned["phases"]["rollout"]["reference"]["weights"] == planned["static"]["reference"]["weights"]
+    print(f"reference: planned {planned['static']['reference']['weights']} B per GPU, allocated "
+          f"{[r['reference']['allocated'] for r in ranks]}; gathered for generation: planned "
+          f"{planned['phases']['rollout']['engine']['weights']} B, allocated {[r['gathered']['allocated'] for r in ranks]}")
 
 
 # ---------------------------------------------------------------- sharding, phases, activations, levers
@@ -319,7 +329,9 @@ def test_zero_stages_shard_by_hand():
     assert [st[z]["actor"]["master"] for z in range(4)] == [28e9, 3.5e9, 3.5e9, 3.5e9]
     assert [st[z]["actor"]["grads"] for z in range(4)] == [14e9, 14e9, 1.75e9, 1.75e9]
     assert [st[z]["actor"]["weights"] for z in range(4)] == [14e9, 14e9, 14e9, 1.75e9]
-    assert [st[z]["RM"]["weights"] for z in range(4)] == [14e9, 14e9, 14e9, 1.75e9]
+    # tether's FSDP2 shards what trains: the frozen RM (and reference) stay whole on every GPU at any stage
+    assert [st[z]["RM"]["weights"] for z in range(4)] == [14e9] * 4
+    assert [st[z]["reference"]["weights"] for z in range(4)] == [14e9] * 4
     assert st[3]["critic"]["total"] == 14e9
 
 

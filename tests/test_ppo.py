@@ -46,8 +46,8 @@ def test_first_minibatch_ratio_is_exactly_one(files, tmp_path, monkeypatch):
 
     original = update_module.ppo_policy_loss
 
-    def spy(logprobs, logprobs_old, advantages, mask, clip_range):
-        loss, stats = original(logprobs, logprobs_old, advantages, mask, clip_range)
+    def spy(logprobs, logprobs_old, advantages, mask, clip_range, **kwargs):
+        loss, stats = original(logprobs, logprobs_old, advantages, mask, clip_range, **kwargs)
         seen.append(stats)
         return loss, stats
 
@@ -178,8 +178,8 @@ def test_kl_early_stop_fires_where_approx_kl_crosses_factor_times_ppo_target_kl(
     measured = []
     original = update_module.ppo_policy_loss
 
-    def spy(*args):
-        loss, stats = original(*args)
+    def spy(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
         measured.append(stats["approx_kl"].item())  # one call per minibatch (no gradient accumulation)
         return loss, stats
 

@@ -58,6 +58,7 @@ def check_run(run: Path, evaluated: bool = False) -> list[dict]:
     got = [r for r in rows(run) if "rollout/logprob_gap_max" in r]
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all(r["rollout/logprob_gap_max"] <= 1e-4 for r in got), [r["rollout/logprob_gap_max"] for r in got]
+    assert all(0 <= r["rollout/mismatch_kl"] <= 1e-6 and r["rollout/is_truncated_fraction"] == 0 for r in got)
     assert got[-1]["objective/kl_max"] > 0  # the policy was updated before the last rollouts
     assert all(r["perf/seconds_weight_sync"] > 0 for r in got)
     assert all(abs(r["perf/seconds_weight_gather"] + r["perf/seconds_weight_transfer"]
@@ -97,19 +98,54 @@ def test_disaggregated_ddp_lora_with_evaluation(files, tmp_path):
 def test_weights_arrive_bitwise_equal(tmp_path):
     """What a rollout process receives equals the trainer's weights bit for bit: a Llama full fine-tune (tied
     embeddings; vocabulary rows split unevenly over 2 FSDP2 shards) and a GPT-2 with LoRA (ΔW folded, transposed
-    for Conv1D), the reference gathered by torch's get_model_state_dict and merged by peft."""
+    for Conv1D), the reference gathered by torch's get_model_state_dict and merged by peft; and a bf16 full
+    fine-tune: its Linear weights in bf16 (the fp32 masters as autocast casts them), the rest fp32."""
     gpt2, llama = make_policy_dir(tmp_path / "gpt2"), make_llama_chat_dir(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     accelerate_launch([str(Path(__file__).parent / "weight_transfer_worker.py"), str(out), str(gpt2), str(llama)],
                       tmp_path / "logs", processes=3, timeout=300)
-    for case in ("llama_full", "gpt2_lora"):
+    for case in ("llama_full", "gpt2_lora", "llama_bf16"):
         received = torch.load(out / f"{case}-received.pt", weights_only=True)
         trainer = torch.load(out / f"{case}-trainer.pt", weights_only=True)
         assert set(received) == set(trainer), set(received) ^ set(trainer)
         different = [k for k in trainer if received[k].dtype != trainer[k].dtype
                      or not torch.equal(received[k], trainer[k])]
         assert not different, (case, different)
+        dtypes = {str(v.dtype) for v in received.values()}
+        assert dtypes == ({"torch.bfloat16", "torch.float32"} if case == "llama_bf16" else {"torch.float32"})
+
+
+def test_async_rollout_is_one_step_off_and_resumes_exactly(tmp_path):
+    """--async-rollout 1, 2 DDP trainers + 1 rollout process, tis correction: every step's batch is at most one
+    update old (rollout/staleness 0 at step 1, then 1), its behaviour log-probs are the engine's (mismatch metrics,
+    weights ≠ 1 once the policy moved); a run stopped at step 2 and resumed to 4 (its checkpoint holds the batch in
+    flight) gives steps 3-4 and a final policy equal to the straight 4-step run's, bit for bit."""
+    policy, prompts = make_policy_dir(tmp_path / "gpt2"), make_prompts_file(tmp_path, n=40)
+    base = ["-m", "tether", "ppo", "--policy", str(policy), "--prompts", str(prompts), "--reward",
+            "tether.rules:char_share:char=7", "--gold", "none", "--batch-size", "4", "--mini-batches", "2",
+            "--ppo-epochs", "2", "--max-new-tokens", "6", "--lr", "3e-3", "--progress", "false",
+            "--rollout-processes", "1", "--async-rollout", "1", "--rollout-correction", "tis",
+            "--save-every-minutes", "0"]
+
+    def launch(out, *extra):
+        accelerate_launch([*base, "--output-dir", str(out), *extra], tmp_path / f"logs-{out.name}-{len(extra)}",
+                          config="disaggregated.yaml", processes=3, timeout=600)
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(straight, "--steps", "4", "--save-every", "2")
+    launch(split, "--steps", "2")
+    launch(split, "--steps", "4", "--resume")
+    a, b = rows(straight), rows(split)
+    assert [r["rollout/staleness"] for r in a] == [0, 1, 1, 1] == [r["rollout/staleness"] for r in b]
+    assert all(r["rollout/mismatch_kl"] >= 0 for r in a) and a[-1]["rollout/is_weight_max"] > 1.0
+    assert a[0]["rollout/mismatch_kl"] < 1e-9  # step 1: sampled and scored with the same weights, in fp32
+    for x, y in zip(a[2:], b[2:]):
+        assert {k: v for k, v in x.items() if not k.startswith("perf/")} == \
+            {k: v for k, v in y.items() if not k.startswith("perf/")}
+    assert (straight / "policy" / "model.safetensors").read_bytes() == (split / "policy" / "model.safetensors").read_bytes()
+    saved = torch.load(split / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True)["in_flight"]
+    assert [b["sampled_at"] for b in saved] == [1, 1] and all(len(b["rows"]) == 4 for b in saved)
 
 
 def rank_pid(marker: str, rank: int) -> int | None:
@@ -125,15 +161,17 @@ def rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("how", ["stopped", "killed"])
+@pytest.mark.parametrize("how", ["stopped", "killed", "killed_in_flight"])
 def test_a_lost_rollout_process_ends_the_run_with_one_line(files, tmp_path, how):
     """After step 1 the rollout process is lost, 1 trainer + 1 rollout process: ``stopped`` (SIGSTOP: alive to the
     launcher, silent to the trainer, the case that would hang) — the trainer's next wait gives up at the 12 s
     timeout; ``killed`` (SIGKILL, the rollout process on a second machine, so that no launcher of the trainer's
-    tears the run down for it) — its sockets close and the trainer's wait fails at once. Either way one line naming
-    rank 1, and the trainer's launch exits non-zero."""
+    tears the run down for it) — its sockets close and the trainer's wait fails at once; ``killed_in_flight``: the
+    same one step off (--async-rollout 1), with the next batch in flight. Either way one line naming rank 1, and the
+    trainer's launch exits non-zero."""
     out, port = tmp_path / "run", free_port()
-    args = ppo_args(files, out, "--rollout-processes", "1", "--collective-timeout-minutes", "0.2", steps=500)
+    extra = ["--async-rollout", "1"] if how == "killed_in_flight" else []
+    args = ppo_args(files, out, "--rollout-processes", "1", "--collective-timeout-minutes", "0.2", *extra, steps=500)
     machines = [(0, 1)] if how == "stopped" else [(0, 2), (1, 2)]
     launches = [start_launch(args, tmp_path / f"logs{m}", config=None, processes=2, port=port,
                              machine=None if how == "stopped" else (m, n)) for m, n in machines]

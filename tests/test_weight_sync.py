@@ -101,6 +101,49 @@ def test_layout_routes_trainers_to_rollout_processes_by_hand(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("world, rollouts, ok", [(3, 1, True), (4, 2, True), (5, 2, True), (3, 2, False),
+                                                  (5, 3, False), (2, 1, True)])
+def test_every_rollout_process_serves_a_trainer(monkeypatch, world, rollouts, ok):
+    """Round robin gives rollout process r the trainers t with t mod R = r − (N − R): with R > N − R the last
+    2R − N of them would serve none (and died at step 1 on ``requests[0]``, an IndexError): refused in one line."""
+    cfg = type("Cfg", (), {"generation": type("G", (), {"rollout_processes": rollouts})()})()
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    if ok:
+        layout = launch_layout(cfg)
+        assert all(layout.trainers_of(r) for r in range(layout.trainers, world))
+        return
+    with pytest.raises(ConfigError, match=f"--rollout-processes {rollouts}: .*serve no trainer") as e:
+        launch_layout(cfg)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("votes, agreed", [(("nccl", "nccl", "nccl"), "nccl"), (("nccl", "gloo", "nccl"), "gloo"),
+                                             (("gloo", "gloo", "gloo"), "gloo")])
+def test_the_weights_group_members_agree_on_one_backend(votes, agreed):
+    """Trainer 0 and 2 rollout processes, each knowing only what it can do (a node with fewer GPUs than processes can
+    do gloo only): every member builds the weights group with the same backend, NCCL only when all can. Three
+    members on a real TCPStore, each in its own thread (a member waits for the others' votes)."""
+    import threading
+    from datetime import timedelta
+
+    from tether.rollout.layout import agreed_backend
+
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30))
+    got = [None] * len(votes)
+
+    def member(i):
+        store = torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+        got[i] = agreed_backend(store, "tether-rollout/0/weights-backend", i, len(votes), votes[i])
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in reversed(range(len(votes)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == [agreed] * len(votes)
+
+
 def test_wire_packing_by_hand():
     """A block's manifest travels as one flat buffer per dtype (first-appearance order, tied names left out); several
     trainers' left-padded prompts become one left-padded batch."""
@@ -135,6 +178,35 @@ def test_transformers_sampler_logprobs_are_the_trainers(tmp_path, min_new_tokens
     valid = rollout.response_mask.bool()
     assert float((rollout.logprobs_sampler - trainer).abs()[valid].max()) < 1e-4
     assert (rollout.logprobs_sampler[~valid] == 0).all() and (rollout.logprobs_sampler[valid] < 0).all()
+
+
+@pytest.mark.parametrize("temperature, greedy, min_new_tokens", [(0.7, False, 0), (1.0, False, 3), (1.3, False, 0),
+                                                                 (1.0, True, 0)])
+def test_streamed_sampler_logprobs_equal_generates_own_scores(tmp_path, temperature, greedy, min_new_tokens):
+    """The log-probs the engine records one step at a time equal, bit for bit, the obvious way: ``generate``'s
+    ``output_scores`` (every position's processed (B, V) scores kept), log-softmaxed and picked at the sampled tokens;
+    the same seed samples the same tokens with the recorder as without."""
+    from transformers import GenerationConfig
+
+    from tether.hf import load_causal_lm, load_tokenizer
+    from tether.rollout.sampling import checkpoint_defaults_off, encode_prompts, generate, sampling_config
+
+    path = make_policy_dir(tmp_path)
+    tokenizer, model = load_tokenizer(path), load_causal_lm(path)
+    query, mask = encode_prompts(tokenizer, ["12+30=", "4+5=", "7+77=", "1+1=", "99+1="], 16, False)
+    torch.manual_seed(5)
+    ours = generate(model, tokenizer, query, mask, 9, temperature, greedy=greedy, min_new_tokens=min_new_tokens,
+                    sampler_logprobs=True)
+    config = sampling_config(tokenizer, model, 9, temperature, greedy, min_new_tokens)
+    config = GenerationConfig(**{**config.to_dict(), "output_scores": True, "return_dict_in_generate": True})
+    torch.manual_seed(5)
+    with torch.no_grad(), checkpoint_defaults_off(model):
+        out = model.generate(input_ids=query, attention_mask=mask, generation_config=config)
+    valid = ours.response_mask.bool()
+    assert torch.equal(out.sequences[:, query.shape[1]:][valid], ours.response[valid])
+    obvious = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, out.sequences[:, query.shape[1]:, None])
+    assert torch.equal(ours.logprobs_sampler[valid], obvious.squeeze(-1)[valid])
+    assert (ours.logprobs_sampler[~valid] == 0).all() and valid.sum() > 20
 
 
 def test_gpu_memory_share_by_hand():

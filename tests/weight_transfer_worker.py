@@ -8,7 +8,9 @@ shards) and a GPT-2 with a LoRA adapter whose B is not zero (Conv1D: ΔW transpo
 (:func:`tether.rollout.remote.send_weights`, the other trainer taking part in the all-gathers) and the rollout process
 receives them (:func:`tether.rollout.remote.receive_weights`). Written to OUT for the test to compare:
 ``CASE-received.pt`` (what arrived) and ``CASE-trainer.pt`` (the trainer's weights, merged: gathered by torch's own
-``get_model_state_dict``, loaded into an unsharded copy, LoRA folded by peft's ``merge_and_unload``).
+``get_model_state_dict``, loaded into an unsharded copy, LoRA folded by peft's ``merge_and_unload``). A third case,
+``llama_bf16``, is a bf16 full fine-tune (fp32 masters of a bf16 checkpoint) sent with the run's compute dtype: its
+Linear weights travel in bf16, cast from the masters before the all-gather, the rest in fp32.
 """
 
 import sys
@@ -24,6 +26,10 @@ from tether.rollout.weights import SyncSeconds, policy_blocks
 def build(case: str, path: str):
     from tether.hf import apply_lora, load_causal_lm
 
+    if case == "llama_bf16":
+        from tether.hf import upcast_trainable
+
+        return upcast_trainable(load_causal_lm(path, "bf16"))
     model = load_causal_lm(path)
     if case == "gpt2_lora":
         model = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -46,11 +52,14 @@ def trainer_weights(case: str, path: str, sharded) -> dict[str, torch.Tensor]:
     plain.load_state_dict(state, strict=True)
     if case == "gpt2_lora":
         plain = plain.merge_and_unload()
-    return {k: v.clone() for k, v in plain.state_dict().items()}
+    linear = {f"{n}.{leaf}" for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)
+              for leaf, p in m.named_parameters(recurse=False) if p is not plain.get_input_embeddings().weight}
+    bf16 = case == "llama_bf16"  # what autocast computes with: Linear weights cast to bf16, the rest fp32 masters
+    return {k: v.to(torch.bfloat16) if bf16 and k in linear else v.clone() for k, v in plain.state_dict().items()}
 
 
 def main() -> None:
-    out, paths = Path(sys.argv[1]), {"gpt2_lora": sys.argv[2], "llama_full": sys.argv[3]}
+    out, paths = Path(sys.argv[1]), {"gpt2_lora": sys.argv[2], "llama_full": sys.argv[3], "llama_bf16": sys.argv[3]}
     import os
 
     layout = Layout(int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), rollouts=1)
@@ -58,7 +67,8 @@ def main() -> None:
         trainers_world(layout)
         torch.distributed.init_process_group("gloo")
     link = Link(layout, timeout_minutes=3)
-    for case in ("llama_full", "gpt2_lora"):
+    for case in ("llama_full", "gpt2_lora", "llama_bf16"):
+        dtype = torch.bfloat16 if case == "llama_bf16" else None
         if layout.is_rollout:
             received = {name: t.clone() for name, t in receive_weights(link)}
             torch.save(received, out / f"{case}-received.pt")
@@ -67,9 +77,9 @@ def main() -> None:
 
         model = shard(build(case, paths[case]), FsdpSettings(), torch.device("cpu"))
         if layout.rank == 0:
-            send_weights(link, model, SyncSeconds())
+            send_weights(link, model, SyncSeconds(), dtype)
         else:
-            for _ in policy_blocks(model):
+            for _ in policy_blocks(model, compute_dtype=dtype):
                 pass
         reference = trainer_weights(case, paths[case], model)
         if layout.rank == 0:

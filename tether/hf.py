@@ -186,3 +186,20 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: boo
     if not dropout:
         disable_dropout(model)
     return model
+
+
+def causal_lm_skeleton(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
+    """The causal LM of ``path`` without its weights: built on the meta device from its config.json, with the
+    checkpoint's generation config (its EOS ids decide where a response ends). What an engine that takes the weights
+    by a sync starts from: it allocates none of them (a vLLM rollout process holds vLLM's copy only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    except (ValueError, *load_errors()) as e:
+        raise load_failed(path, "model", e) from None
+    with contextlib.suppress(OSError):  # no generation_config.json: the one from_config derived stays
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    return model

@@ -1,5 +1,6 @@
-"""How a run computes (SPEC C5): the compute dtype, autocast around every forward, and the fp16 loss scaler —
-shared by the stages that train (PPO, SFT) and the rollout processes that sample in the run's precision."""
+"""How a run computes (SPEC C5): the compute dtype, autocast around every forward, the fp16 loss scaler, and which
+parameters autocast casts — shared by the stages that train (PPO, SFT), the reference twin, and the weight sync that
+sends each tensor in the dtype it is computed in."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -33,3 +35,16 @@ class Precision:
     def grad_scaler(self) -> torch.amp.GradScaler:
         """Enabled for fp16 only; disabled, its ``scale``/``unscale_``/``step``/``update`` are pass-throughs."""
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
+
+
+def autocast_cast_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters autocast casts to the compute dtype before every use: the weights and biases of
+    ``nn.Linear`` (``F.linear``) and transformers' ``Conv1D`` (``torch.addmm``), unless a parameter is shared
+    with another kind of module (a tied embedding is also looked up, outside autocast's casts)."""
+    from transformers.pytorch_utils import Conv1D
+
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    return {i for i, mods in owners.items() if all(isinstance(m, (nn.Linear, Conv1D)) for m in mods)}

@@ -42,21 +42,24 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -1
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, logprobs_old: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, dict]:
+                    mask: torch.Tensor, clip_range: float, weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate (B9; Schulman et al. 2017, eq. 7), as a loss to minimise:
 
         ρ_t = exp(log π(a_t|s_t) − log π_old(a_t|s_t))
-        L = masked_mean( −min(ρ_t·Â_t, clip(ρ_t, 1−ε, 1+ε)·Â_t) )
+        L = masked_mean( −w_t · min(ρ_t·Â_t, clip(ρ_t, 1−ε, 1+ε)·Â_t) )
 
-    The log-ratio is clamped to ±20 for safety (C5). Stats: ``clip_fraction`` (share of valid tokens
-    with |ρ−1| > ε), ``ratio_mean``/``ratio_std``/``ratio_max`` and ``approx_kl``, the k3 estimate
+    ``weights`` w_t (B, T): the off-policy correction's (B19, :mod:`tether.core.correction`), constant; None: no
+    weights (w_t = 1). The log-ratio is clamped to ±20 for safety (C5). Stats: ``clip_fraction`` (share of valid
+    tokens with |ρ−1| > ε), ``ratio_mean``/``ratio_std``/``ratio_max`` and ``approx_kl``, the k3 estimate
     of KL(π_old‖π) = mean((ρ−1) − log ρ) over valid tokens.
     """
     log_ratio = (logprobs - logprobs_old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)
     surrogate = ratio * advantages
     surrogate_clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * advantages
-    loss = masked_mean(-torch.min(surrogate, surrogate_clipped), mask)
+    per_token = -torch.min(surrogate, surrogate_clipped)
+    loss = masked_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
         valid = mask.bool()
         ratio_valid = ratio[valid]

@@ -18,9 +18,10 @@ On a GPU, vLLM is started with ``gpu_memory_utilization`` = :func:`gpu_memory_sh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from tether.diagnostics.plan import DTYPE_BYTES, GB, PlanConfig, model_static
+from tether.diagnostics.plan import DTYPE_BYTES, GB, PlanConfig, model_static, shard_elements
 from tether.diagnostics.shapes import ModelShape
 
 
@@ -46,14 +47,33 @@ def block_params(shape: ModelShape) -> int:
     return max(rest, (params - rest) // shape.layers)
 
 
+def gathered_policy_bytes(shape: ModelShape, cfg: PlanConfig) -> int:
+    """The whole policy as FSDP2's unshard allocates it for a generation: every tensor padded to G·ceil(d0/G) rows
+    (presets, whose tensors are unknown: unpadded), the trained weights in fp32 (tether trains fp32 masters under
+    autocast), LoRA's frozen base in b."""
+    total = 0
+    for group in model_static(shape, cfg, "actor")["groups"]:
+        nbytes = 4 if group["bytes"]["grads"] else group["bytes"]["weights"]
+        elements = group["count"] if group["tensors"] is None else cfg.gpus * shard_elements(group["tensors"], cfg.gpus)
+        total += nbytes * elements
+    return total
+
+
+def rollout_process_weights(shape: ModelShape, cfg: PlanConfig) -> int:
+    """A rollout process's copy of the policy: vLLM's, b·N / K; the transformers engine's, the weights as the sync
+    sends them (matmul weights in b, embeddings and norms in fp32: the reference twin's bytes, b·N for a preset)."""
+    if cfg.engine == "vllm":
+        return (shape.nominal_params or shape.lm_params) * DTYPE_BYTES[cfg.dtype] // cfg.engine_tp
+    return model_static(shape, dataclasses.replace(cfg, lora_r=0), "reference")["weights"]
+
+
 def engine_plan(shape: ModelShape, cfg: PlanConfig) -> list[dict]:
     """Rows (bytes per process) for each layout; ``this_run`` marks the configured one."""
     b, B, S, K = DTYPE_BYTES[cfg.dtype], cfg.batch_size, cfg.prompt_length + cfg.response_length, cfg.engine_tp
     params = shape.nominal_params or shape.lm_params
-    actor = model_static(shape, cfg, "actor")
     trained_bytes = 4  # tether trains in fp32 (bf16 runs: fp32 weights under autocast)
-    gathered = actor["trainable"] * trained_bytes + actor["frozen"] * b
     sharded = cfg.zero == 3 and cfg.gpus > 1
+    gathered = gathered_policy_bytes(shape, cfg)
     block = block_params(shape) * (b if cfg.lora_r else trained_bytes)
     sync = 2 * block if sharded else 0
     weights = params * b // K
@@ -65,8 +85,8 @@ def engine_plan(shape: ModelShape, cfg: PlanConfig) -> list[dict]:
         (f"colocated, vLLM{f' TP={K}' if K > 1 else ''}", "every process", weights,
          engine_kv_bytes(shape, B, S, b, K), sync, 0, cfg.engine == "vllm" and not cfg.rollout_processes),
         (f"disaggregated, R={R}", "trainer", 0, 0, sync, 0, bool(cfg.rollout_processes)),
-        (f"disaggregated, R={R}", "rollout process", weights, engine_kv_bytes(shape, rollout_rows, S, b, K),
-         0, 0, bool(cfg.rollout_processes)),
+        (f"disaggregated, R={R}", "rollout process", rollout_process_weights(shape, cfg),
+         engine_kv_bytes(shape, rollout_rows, S, b, K), 0, 0, bool(cfg.rollout_processes)),
     ]
     rows = []
     for layout, process, w, kv, sync_bytes, gathered_bytes, this in layouts:
@@ -76,6 +96,11 @@ def engine_plan(shape: ModelShape, cfg: PlanConfig) -> list[dict]:
                      "vllm_gpu_memory_utilization": gpu_memory_share(w, kv, int(cfg.gpu_memory * GB)) if w else None,
                      "this_run": this})
     return rows
+
+
+def trainer_engine(shape: ModelShape, cfg: PlanConfig) -> dict:
+    """This run's row for a trainer process (colocated: the layout of its engine; disaggregated: the trainer's)."""
+    return next(r for r in engine_plan(shape, cfg) if r["this_run"] and r["process"] != "rollout process")
 
 
 def format_engine_plan(rows: list[dict], cfg: PlanConfig) -> str:

@@ -32,6 +32,7 @@ COLLAPSE = "collapse"
 NOT_LEARNING = "not learning"
 NO_SIGNAL = "no signal in the groups"
 SHORTCUT = "shortcut"
+SAMPLER_MISMATCH = "sampler mismatch"
 
 # What a band's measure is:
 #   value   the metric itself
@@ -118,11 +119,18 @@ GOLD_WARN, GOLD_ALARM = 2.05, 3.0  # σ of the gold bands' corrected evidence (o
 # reward hacking): when two bands leave their healthy range at the same step the earlier row is the cause.
 BANDS: tuple[Band, ...] = (
     # First in the chain: samples drawn from another distribution than the one PPO scores make every ratio
-    # wrong from the start. Only an engine with its own weights (vLLM) reports it; fp32 gives ~1e-7.
+    # wrong from the start (B19). Only an engine that reports its log-probs gives these; fp32 gives ~1e-14 KL and a
+    # 1e-7 gap, a bf16 engine 1e-4–1e-3 KL. One step off (C7) the engine's weights are one update older by design:
+    # rows with rollout/staleness > 0 measure that update too, and are left to the ratio bands.
+    Band("rollout_mismatch", "rollout/mismatch_kl", "value", (None, 0.002), None, 0.02, SAMPLER_MISMATCH,
+         "mean per-token KL(π_engine ‖ π_old) on the sampled tokens: the engine samples another distribution than "
+         "PPO scores (its precision or kernels, a missed weight sync, a stale prefix cache); uncorrected "
+         "(--rollout-correction none) the policy gradient is biased by it", reported_by_some_runs=True,
+         only_if=("rollout/staleness", None, 0)),
     Band("sampler_gap", "rollout/logprob_gap_mean", "value", (None, 0.01), None, 0.05, RATIO,
          "mean |log π_sampler − log π_old| per response token: the rollout engine samples another distribution "
          "than the one PPO scores (a missed weight sync, a sampling option the engine applied, low precision)",
-         reported_by_some_runs=True),
+         reported_by_some_runs=True, only_if=("rollout/staleness", None, 0)),
     Band("ratio_std", "policy/ratio_std", "value", (None, 0.1), None, 0.3, RATIO,
          "spread of π/π_old over the epoch loop; large = the last epochs are far off-policy (IS fails)"),
     Band("clip_fraction", "policy/clip_fraction", "value", (0.05, 0.2), None, 0.5, RATIO,

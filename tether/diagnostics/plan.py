@@ -47,6 +47,7 @@ from tether.diagnostics.shapes import ModelShape, lora_params, lora_tensors, res
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MODELS = ("actor", "critic", "reference", "RM")
+FROZEN = ("reference", "RM")  # never sharded by tether: whole on every process
 
 
 def models_of(cfg) -> tuple[str, ...]:
@@ -218,15 +219,18 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
                 g["bytes"]["weights"] = 0
             s["note"] = "weights offloaded to CPU"
         stage = {"weights": 3, "grads": 2, "adam": 1, "master": 1}  # the ZeRO stage that shards each state
-        per_gpu = {k: sharded_bytes(s, k, G) if z >= stage[k] else s[k] for k in STATES}
+        # tether's FSDP2 shards what trains; the frozen reference and RM stay whole on every process (C5)
+        sharded = role not in FROZEN
+        per_gpu = {k: sharded_bytes(s, k, G) if sharded and z >= stage[k] else s[k] for k in STATES}
         static[role] = {**per_gpu, "total": sum(per_gpu.values()), "trainable_params": s["trainable"],
                         "frozen_params": s["frozen"], "cpu_bytes": cpu, "note": s["note"]}
         for phase in PHASES:
             row = dict(per_gpu, activations=0, kv_cache=0)
             if phase == "rollout":
                 row["grads"] = 0  # freed by zero_grad(set_to_none=True) after each optimiser step
-                if role == "actor":
-                    row["kv_cache"] = kv_cache_bytes(shape, B, S, b)
+                if role == "actor":  # its KV cache when it samples itself (the transformers engine, colocated)
+                    generates = cfg.engine == "transformers" and not cfg.rollout_processes
+                    row["kv_cache"] = kv_cache_bytes(shape, B, S, b) if generates else 0
                     logits = B * S * shape.vocab * (b + 4)  # (B, S, V) in --dtype + fp32 log-softmax
                     row["activations"] = layer_activation_bytes(shape, B, S, b, cfg.attention) + logits
             elif role == "actor":
@@ -237,6 +241,7 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
                                       else train_activation_bytes(shape, cfg, "value"))
             row["total"] = sum(row.values())
             phases[phase][role] = row
+    phases["rollout"]["engine"] = engine_rollout_row(shape, cfg)
     totals = {p: sum(r["total"] for r in phases[p].values()) for p in PHASES}
     peak_phase = max(PHASES, key=totals.get)
     capacity = int(cfg.gpu_memory * GB)
@@ -244,6 +249,20 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
             "static": static, "static_total": sum(v["total"] for v in static.values()), "phases": phases,
             "totals": totals, "peak_phase": peak_phase, "peak": totals[peak_phase],
             "gpu_memory": capacity, "fits": totals[peak_phase] <= capacity}
+
+
+def engine_rollout_row(shape: ModelShape, cfg: PlanConfig) -> dict:
+    """What sampling adds to a trainer in the rollout phase, for this run's layout (tether.diagnostics.engine_plan):
+    the whole policy FSDP2 generation gathers (colocated transformers engine), a vLLM engine's weights and KV cache
+    (colocated), the two blocks a weight sync holds (vLLM or rollout processes under ZeRO-3)."""
+    from tether.diagnostics.engine_plan import trainer_engine
+
+    e = trainer_engine(shape, cfg)
+    row = {k: 0 for k in (*STATES, "activations", "kv_cache")}
+    row["weights"] = e["engine_weights"] + e["sync_blocks"] + e["gathered_policy"]
+    row["kv_cache"] = e["kv_cache"] if cfg.engine == "vllm" and not cfg.rollout_processes else 0
+    row["total"] = sum(row.values())
+    return row
 
 
 def levers(shape: ModelShape, cfg: PlanConfig, peak: int | None = None) -> list[dict]:
@@ -316,8 +335,14 @@ def format_plan(shape: ModelShape, cfg: PlanConfig, result: dict, lever_rows: li
         for i, role in enumerate(models_of(cfg)):
             row = result["phases"][phase][role]
             note = result["static"][role]["note"]
+            if role in FROZEN and cfg.zero == 3 and cfg.gpus > 1 and row["weights"]:
+                note = (note + "; " if note else "") + "whole on every GPU (tether shards what trains)"
             lines.append(f"{phase if i == 0 else '':<8} {role:<10}" + "".join(f"{_gb(row[c]):>10}" for c in cols)
                          + (f"  {note}" if note else ""))
+        engine = result["phases"][phase].get("engine")
+        if engine and engine["total"]:
+            lines.append(f"{'':<8} {'engine':<10}" + "".join(f"{_gb(engine[c]):>10}" for c in cols)
+                         + "  sampling: the engine table below, this run's trainer row")
         lines.append(f"{'':<8} {'total':<10}" + " " * 60 + f"{_gb(result['totals'][phase]):>10}")
     st = result["static"]
     lines += ["", "static (weights + grads + Adam + master): "

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from tether.diagnostics.groups import flat_groups_prescriptions
 from tether.diagnostics.health import (COLLAPSE, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL, NOT_LEARNING, RATIO,
-                                       REWARD_HACKING, SHORTCUT, VALUE_COLLAPSE)
+                                       REWARD_HACKING, SAMPLER_MISMATCH, SHORTCUT, VALUE_COLLAPSE)
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -122,5 +122,16 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
         Rx("keep the policy nearer the reference: raise β", "kl.coef", _beta),
         Rx("roll back to the last checkpoint before the overlap fell", "health.rollback", lambda c: "true",
            lambda current: current is True),
+    ],
+    # B19, tether's: correct what the engine's distribution costs, then make it smaller (docs/sampling.md)
+    SAMPLER_MISMATCH: [
+        Rx("correct it: weight each token's policy loss by min(π_old/π_engine, C), truncated importance sampling",
+           "correction.mode", lambda c: "tis", _is("tis", "mis")),
+        Rx("and drop the sequences furthest off (masked importance sampling: weight 0 past correction.bound)",
+           "correction.mode", lambda c: "mis", _is("mis")),
+        Rx("check the weight sync: perf/seconds_weight_sync > 0 at every step (an engine that kept old weights, or "
+           "served a stale prefix cache, samples the previous policy)", None),
+        Rx("sample and score in fp32 if the run can afford it (bf16 engine kernels differ from the trainer's bf16 "
+           "autocast by ~1e-3 per token; fp32 by ~1e-7)", "model.dtype", lambda c: "fp32", _is("fp32")),
     ],
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tether.config import option
+from tether.core.correction import MODES as CORRECTION_MODES
 from tether.core.group import CRITIC_FREE, ESTIMATORS, GROUP_BASELINES
 from tether.core.kl import K3_CLIP
 from tether.core.steps import AGGREGATIONS
@@ -77,6 +78,24 @@ class GenerationConfig:
                         "(docs/sampling.md)", low=0, flag="--top-k")
     min_new_tokens: int = option(0, "EOS is not sampled before this many tokens, and log-probs are scored with "
                                  "it masked there too (benchmarks use it to fix the response length)", low=0)
+    async_rollout: int = option(0, "one-step-off rollout (C7; needs --rollout-processes): the rollout processes "
+                                "sample step t+1's batch with the weights step t starts from while the trainers train "
+                                "step t (staleness 1 update, rollout/staleness); the behaviour log-probs are the "
+                                "engine's (--rollout-correction); 0 = synchronous", choices=(0, 1),
+                                flag="--async-rollout")
+
+
+@dataclass
+class CorrectionConfig:
+    mode: str = option("none", "off-policy correction of the sampler-trainer mismatch (B19), from the engine's "
+                       "per-token log-probs kept beside the trainer's: 'tis' weights each token's policy loss by "
+                       "min(pi_old / pi_engine, correction.cap); 'mis' also gives weight 0 to every sequence whose "
+                       "mismatch (its mean per-token KL(pi_engine || pi_old)) passes correction.bound; 'none' = no "
+                       "weights (the mismatch is still reported when the engine gives log-probs)",
+                       choices=CORRECTION_MODES, flag="--rollout-correction")
+    cap: float = option(2.0, "C of tis/mis: the ceiling of a token's importance weight pi_old / pi_engine", low=1.0)
+    bound: float = option(0.01, "mis: a sequence whose mean per-token KL(pi_engine || pi_old) (nats) passes this "
+                          "gets weight 0", low=0.0, low_open=True)
 
 
 @dataclass
@@ -267,6 +286,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     gae: GAEConfig = field(default_factory=GAEConfig)
@@ -305,6 +325,9 @@ class RunConfig:
         if self.generation.engine_tp > 1 and self.generation.rollout_processes:
             raise ConfigError("--engine-tp with --rollout-processes: not supported (each rollout process runs one "
                               "engine of its own); use --engine-tp 1")
+        if self.generation.async_rollout and not self.generation.rollout_processes:
+            raise ConfigError(f"--async-rollout {self.generation.async_rollout}: needs rollout processes to sample "
+                              "while the trainers train (--rollout-processes R, the disaggregated layout)")
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")
@@ -318,6 +341,9 @@ class RunConfig:
         if estimator in GROUP_BASELINES and self.samples_per_prompt < 2:
             raise ConfigError(f"--advantage {estimator}: needs --samples-per-prompt of at least 2 (its baseline "
                               f"is the other samples of the same prompt), got {self.samples_per_prompt}")
+        if self.difficulty.filter_groups and self.generation.async_rollout:
+            raise ConfigError("--filter-groups with --async-rollout 1: the extra rounds would sample after the batch in "
+                              "flight was sent, from weights one update newer; use one or the other")
         if self.difficulty.filter_groups and self.samples_per_prompt < 2:
             raise ConfigError("--filter-groups: needs --samples-per-prompt of at least 2 (a group's spread is over its "
                               f"samples), got {self.samples_per_prompt}")

@@ -37,15 +37,16 @@ class StepBatch:
     rewards_raw: RewardScores
     kept: torch.Tensor            # (B,) bool: False for a filler row of a flat group (no weight in any loss)
     drawn_scores: torch.Tensor | None = None  # (R·B,) the raw scores of every round's rows, the groups as drawn
+    sampled_at: int = 0           # policy updates in the weights that sampled it (one step off: one behind)
     metrics: dict = field(default_factory=dict)
 
 
-def draw_step_batch(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
-    """Draw, sample and score the step's batch (module docstring). ``rollout_batch(models, cfg, rows)`` samples
-    (:func:`tether.ppo.step.rollout_batch`); an engine with its own weights has been synced already. Records every
-    visited prompt's pass rate in the curriculum."""
+def draw_step_batch(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
+    """Draw, sample and score the step's batch (module docstring). ``sample()`` draws ``--batch-size`` prompts and
+    returns their :class:`~tether.ppo.offpolicy.Batch` (:func:`tether.ppo.step.sample_batch`); an engine with its
+    own weights has been synced already. Records every visited prompt's pass rate in the curriculum."""
     k = cfg.samples_per_prompt
-    first = _draw_round(run, cfg, timer, rollout_batch)
+    first = _draw_round(run, cfg, timer, sample)
     if not cfg.difficulty.filter_groups:
         return replace(first, drawn_scores=first.rewards_raw.total)
     groups = cfg.batch_size
@@ -57,7 +58,7 @@ def draw_step_batch(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
     while p.global_min(torch.tensor(float(have))) < groups and rounds < cfg.difficulty.max_rounds:
         rounds += 1
         before = sum(timer.seconds.values())
-        batch = _draw_round(run, cfg, timer, rollout_batch)
+        batch = _draw_round(run, cfg, timer, sample)
         extra_seconds += sum(timer.seconds.values()) - before
         flat = _flat_groups(batch, k)
         drawn.append(batch.rewards_raw.total)
@@ -81,16 +82,14 @@ def draw_step_batch(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
         metrics["health/notes"] = [f"--filter-groups: {short} of {groups} groups with spread missing after "
                                    f"{rounds} extra rounds (difficulty.max_rounds); trained on the "
                                    f"{groups - short} it has"]
-    return replace(out, kept=kept, drawn_scores=torch.cat(drawn), metrics=metrics)
+    return replace(out, kept=kept, drawn_scores=torch.cat(drawn), metrics=metrics, sampled_at=first.sampled_at)
 
 
-def _draw_round(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
+def _draw_round(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
     """One draw of ``--batch-size`` prompts: K samples each, scored; their pass rates go to the curriculum."""
     m, d, k = run.models, run.data, cfg.samples_per_prompt
-    indices, prompt_rows = d.prompts.draw()
-    rows = [row for row in prompt_rows for _ in range(k)]  # K adjacent rows per prompt: a group (B17)
-    with timer("generate"):
-        rollout, responses = rollout_batch(m, cfg, rows)
+    sampled = sample()
+    rows, rollout, responses = sampled.rows, sampled.rollout, sampled.responses
     with timer("reward"):  # the reward sources (B4, A9): sequence scores and a process RM's dense step rewards
         rewards_raw = score_rollout(d.sources, [r["prompt"] for r in rows], responses, collate_fields(rows),
                                     rollout, m.tokenizer)
@@ -98,15 +97,16 @@ def _draw_round(run, cfg, timer: PhaseTimer, rollout_batch) -> StepBatch:
         rewards_raw = shuffled(rewards_raw)
     curriculum = d.prompts.curriculum
     if curriculum is not None:
+        index = {id(row): i for i, row in enumerate(d.prompts.rows)}  # the stream's rows themselves, by identity
+        indices = [index[id(row)] for row in rows[::k]]
         rates = curriculum.pass_rates(rewards_raw.total, k)
         p = run.processes
         if p.world_size > 1:  # one table on every process: everyone's visits
-            all_indices = p.all_gather(torch.tensor(indices, dtype=torch.long, device=p.device)).cpu().tolist()
+            indices = p.all_gather(torch.tensor(indices, dtype=torch.long, device=p.device)).cpu().tolist()
             rates = p.all_gather(rates.to(p.device)).cpu()
-            indices = all_indices
         curriculum.record(indices, rates.tolist())
     return StepBatch(rows=rows, rollout=rollout, responses=responses, rewards_raw=rewards_raw,
-                     kept=torch.ones(len(rows), dtype=torch.bool))
+                     kept=torch.ones(len(rows), dtype=torch.bool), sampled_at=sampled.sampled_at)
 
 
 def shuffled(scores: RewardScores) -> RewardScores:

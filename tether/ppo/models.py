@@ -32,20 +32,8 @@ from tether.hf import (
     quiet_transformers,
     upcast_trainable,
 )
+from tether.precision import autocast_cast_parameters
 from tether.presets import resolve_model_path
-
-
-def autocast_cast_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters autocast casts to the compute dtype before every use: the weights and biases of
-    ``nn.Linear`` (``F.linear``) and transformers' ``Conv1D`` (``torch.addmm``), unless a parameter is shared
-    with another kind of module (a tied embedding is also looked up, outside autocast's casts)."""
-    from transformers.pytorch_utils import Conv1D
-
-    owners: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(module)
-    return {i for i, mods in owners.items() if all(isinstance(m, (nn.Linear, Conv1D)) for m in mods)}
 
 
 def frozen_twin(model: nn.Module) -> nn.Module:

@@ -35,6 +35,7 @@ class Experience:
     advantages: torch.Tensor       # (B, T) Â_t, whitened when configured (B7, B8)
     returns: torch.Tensor          # (B, T) R_t = Â_t + V_old(s_t) before whitening (B7); no critic: rewards-to-go
     valid: torch.Tensor | None = None  # (B,) bool: False = row dropped from the update (non-finite, B16)
+    is_weights: torch.Tensor | None = None  # (B, T) w_t of the off-policy correction (B19); None: --rollout-correction none
 
     def __len__(self) -> int:
         return len(self.rollout)

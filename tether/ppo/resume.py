@@ -21,11 +21,13 @@ from tether.sharding import (
 )
 
 
-def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[dict, dict] | None = None) -> dict:
+def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[dict, dict] | None = None,
+                  in_flight: list | None = None) -> dict:
     """Everything but the weights that the run needs to continue exactly; ``rng_per_rank``: every process's
     RNG state in rank order (each process samples its own responses). ``rng`` (rank 0's) stays for
     checkpoints read by older versions. ``optimizers``: the (policy, critic) optimiser states gathered from
-    sharded models, in place of the local ones. A run without a critic (B17) saves None for its states."""
+    sharded models, in place of the local ones. A run without a critic (B17) saves None for its states.
+    ``in_flight``: one step off (C7), every trainer's batch in flight, in rank order (tether.ppo.offpolicy)."""
     o, d = run.optim, run.data
     optimizers = optimizers or (o.policy_optimizer.state_dict(), state_of(o.critic_optimizer))
     return {"step": step, "policy_optimizer": optimizers[0], "critic_optimizer": optimizers[1],
@@ -33,7 +35,8 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
             "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
             "grad_scaler": o.scaler.state_dict(),  # fp16's loss scale and its growth count; {} otherwise
-            "reference_answers": d.reference_answers}
+            "reference_answers": d.reference_answers,
+            **({"in_flight": in_flight} if in_flight is not None else {})}
 
 
 def state_of(x) -> dict | None:
@@ -84,8 +87,22 @@ def restore(run, run_dir: Path) -> int:
     d.running_scores.load_state_dict(state["running_scores"])
     d.prompts.load_state_dict(state["prompts"])
     d.reference_answers = state.get("reference_answers")
+    restore_in_flight(run, state.get("in_flight"))
     restore_rng(run, state)
     return int(state["step"])
+
+
+def restore_in_flight(run, in_flight: list | None) -> None:
+    """One step off (C7): this trainer's batch in flight at the checkpoint, ready for the next step. Saved by
+    another number of trainers, or by a synchronous run, there is none to take: the next step samples its own."""
+    ahead, p = run.data.ahead, run.processes
+    if ahead is None:
+        return
+    mine = in_flight[p.rank] if in_flight is not None and len(in_flight) == p.world_size else None
+    if in_flight is not None and mine is None and p.is_main:
+        print(f"note: the checkpoint holds the batches in flight of {len(in_flight)} trainer(s), this run has "
+              f"{p.world_size}: the next step samples anew (not bitwise the uninterrupted run)")
+    ahead.load_state_dict(run, mine)
 
 
 def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, updates_done: int):
@@ -168,7 +185,10 @@ def load_weights(run, path: Path) -> dict:
 
 def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
     """Save checkpoint ``step`` (weights and trainer state from the main process, every process's RNG
-    state); every process waits for it. Returns its path on the main process."""
+    state, one step off every trainer's batch in flight); every process waits for it. Returns its path on the
+    main process."""
+    ahead = run.data.ahead
+    in_flight = run.processes.gather_objects(ahead.state_dict(run)) if ahead is not None else None
     rng_per_rank = run.processes.gather_objects(rng_state())
     m, o = run.models, run.optim
     sharded = {}
@@ -180,7 +200,7 @@ def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
                                   full_optimizer_state(m.critic, o.critic_optimizer) if critic else None)}
     saved = None
     if run.processes.is_main:
-        state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None))
+        state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None), in_flight)
         saved = save_checkpoint(run_dir, step, m.unwrapped_policy, m.unwrapped_critic, state, cfg.keep_checkpoints,
                                 **sharded)
     run.processes.wait()

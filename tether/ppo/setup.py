@@ -36,6 +36,7 @@ from tether.ppo.models import (
     load_policy,
     same_vocabulary,
 )
+from tether.ppo.offpolicy import OneStepOff
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
 from tether.ppo.prompts import PromptStream, load_prompts
@@ -99,6 +100,7 @@ class Data:
     # the step-0 evaluation: the untrained policy's (= the reference's) held-out answers and reward, against which
     # later evaluations measure eval/reference_overlap and eval/reward_gain (checkpointed)
     reference_answers: dict | None = None
+    ahead: OneStepOff | None = None  # --async-rollout 1: the batch in flight to the rollout processes (C7)
 
 
 @dataclass
@@ -300,5 +302,6 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
                                 cfg.difficulty.pass_threshold)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size,
                                      curriculum=curriculum),
-                eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments())
+                eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments(),
+                ahead=OneStepOff() if cfg.generation.async_rollout else None)
     return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))

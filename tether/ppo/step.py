@@ -4,10 +4,11 @@
 
   1. rollout: K samples per prompt, scored (B1,     6. advantages: GAE with the truncation bootstrap (B7), or
      B4, B17); flat groups redrawn (B18)               a critic-free estimator on the groups of K (B17)
-  2. old log-probs, training-side forward (B2)      7. whiten GAE's advantages (B8); freeze: the Experience
-  3. reference log-probs (B3)                       8. ppo_epochs × shuffled minibatches of groups (B9, B6)
-  4. values V_old(s_t) and V_old(s_T) (a critic)    9. early stop on approx KL to π_old (B10)
-  5. scores → per-token rewards (B5)               10. KL controller (B11)
+  2. old log-probs, training-side forward (B2)      7. whiten GAE's advantages (B8); the off-policy correction's
+  3. reference log-probs (B3)                          weights (B19); freeze: the Experience
+  4. values V_old(s_t) and V_old(s_T) (a critic)    8. ppo_epochs × shuffled minibatches of groups (B9, B6)
+  5. scores → per-token rewards (B5)                9. early stop on approx KL to π_old (B10)
+                                                    10. KL controller (B11)
 
 It reads a :class:`~tether.ppo.setup.Run` (processes, models, optimisation, data) and makes the two
 records: the :class:`~tether.ppo.draw.StepBatch` (step 1: the rollout and its raw scores) and the :class:`Experience` (end of
@@ -33,6 +34,7 @@ from tether.ppo.metrics import (
     throughput_metrics,
     value_metrics,
 )
+from tether.ppo.offpolicy import Batch, correction_metrics, step_correction_weights
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.draw import draw_step_batch
 from tether.ppo.records import Experience
@@ -66,14 +68,14 @@ def ppo_step(run, cfg, step: int) -> dict:
     timer = PhaseTimer()
     temperature = cfg.generation.temperature
 
-    # 1. Rollout (B1) and the reward sources' scores (B4, A9; sequence and dense channels apart): an engine holding
-    # its own weights takes the current ones first (C3; here, so a resumed run is covered too), then samples with the
-    # KV cache until every row ended; EOS vs truncated recorded. The prompts come from the stream (weighted by the
+    # 1. Rollout (B1) and the reward sources' scores (B4, A9; sequence and dense channels apart): sampled now — an
+    # engine holding its own weights takes the current ones first (C3; here, so a resumed run is covered too) — or
+    # received from the rollout processes one step ahead (C7). The prompts come from the stream (weighted by the
     # curriculum, B18); with --filter-groups, groups whose scores have no spread are replaced by more draws (B18).
-    if m.engine.syncs_weights:
+    if m.engine.syncs_weights and d.ahead is None:
         with timer("weight_sync"):
             m.engine.sync_weights(m.unwrapped_policy)
-    batch = draw_step_batch(run, cfg, timer, rollout_batch)
+    batch = draw_step_batch(run, cfg, timer, lambda: sample_batch(run, cfg, step, timer))
     rollout, rewards_raw = batch.rollout, batch.rewards_raw
     response_mask = rollout.response_mask.float()  # (B, T)
 
@@ -120,7 +122,8 @@ def ppo_step(run, cfg, step: int) -> dict:
     experience = Experience(rollout=stand_in_rows(rollout, valid), logprobs_old=logprobs_old,
                             logprobs_ref=logprobs_ref, values_old=values_old, last_values=last_values,
                             scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
-                            valid=valid)
+                            valid=valid, is_weights=step_correction_weights(cfg, rollout, logprobs_old,
+                                                                            response_mask))  # B19
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     with timer("train"), torch.enable_grad():
@@ -139,9 +142,24 @@ def ppo_step(run, cfg, step: int) -> dict:
 
     metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run)
     metrics["health/dropped_rows"] = p.global_sum((~finite).sum().float())
+    if d.ahead is not None:
+        metrics["rollout/staleness"] = step - 1 - batch.sampled_at
     notes = notes + batch.metrics.pop("health/notes", [])
     return {**metrics, **batch.metrics, **train_stats,
             "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
+
+
+def sample_batch(run, cfg, step: int, timer: PhaseTimer) -> Batch:
+    """One draw of ``--batch-size`` prompts with K adjacent rows each (a group, B17), sampled now with the KV cache
+    until every row ended, EOS vs truncated recorded — or, one step off (``--async-rollout 1``), the batch the rollout
+    processes sampled while the previous step trained (:class:`~tether.ppo.offpolicy.OneStepOff`)."""
+    m, d = run.models, run.data
+    if d.ahead is not None:
+        return d.ahead.next(run, cfg, step - 1, timer)
+    rows = [row for row in d.prompts.next_batch() for _ in range(cfg.samples_per_prompt)]
+    with timer("generate"):
+        rollout, responses = rollout_batch(m, cfg, rows)
+    return Batch(rows, rollout, responses, sampled_at=step - 1)
 
 
 def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_old: torch.Tensor | None,
@@ -176,6 +194,7 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience, e
         **(curriculum.summary() if curriculum is not None else {}),
         **response_metrics(p, rollout),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
+        **correction_metrics(p, cfg, rollout, e.logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps,
                              packed=run.models.forward.packing),

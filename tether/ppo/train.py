@@ -55,6 +55,13 @@ def evaluates_here(run) -> bool:
     return run.processes.is_main or run.models.fsdp is not None or run.models.engine.collective
 
 
+def settle_rollouts(run) -> None:
+    """Collect a batch in flight to the rollout processes (one step off, C7) before the engine serves anything else:
+    the rollout processes answer requests in order."""
+    if run.data.ahead is not None:
+        run.data.ahead.collect(run)
+
+
 def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
     """Evaluate on the main process (the others get no eval metrics) and write its samples. A sharded policy's
     forward, and a collective engine's generate, are collective: every process evaluates the same rows, the main
@@ -96,7 +103,8 @@ class PPOTrainer:
         self.given = resolve_inputs(cfg, reward, prompts, eval_prompts, gold)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
         self.run_dir = Path(cfg.output_dir)
-        if launch_layout(cfg).is_rollout:  # disaggregated layout: this process only generates, until the trainers stop
+        self._serves_rollouts = launch_layout(cfg).is_rollout
+        if self._serves_rollouts:  # disaggregated layout: this process only generates, until the trainers stop
             self.run, self.steps_done = None, cfg.steps
             self.result = TrainResult(run_dir=serve(cfg), metrics={}, models={}, steps=cfg.steps)
             return
@@ -124,10 +132,20 @@ class PPOTrainer:
             with self.log.closed_on_error():
                 self.log.metrics({"step": 0, **self.evaluated(0)})
 
+    @property
+    def is_rollout_process(self) -> bool:
+        """True on a rollout process of the disaggregated layout (``--rollout-processes``): its construction served
+        the trainers until they finished, and a script has nothing more to do there (``step``, ``train`` and
+        ``evaluate`` are the trainers')."""
+        return self._serves_rollouts
+
     def step(self) -> StepRecord:
         """The next PPO step (:func:`~tether.ppo.step.ppo_step`), its evaluation when due, callbacks, health alerts,
         its metrics row, and a checkpoint when due (or when a callback stops the run: it resumes from there)."""
         cfg, run, log = self.cfg, self.run, self.log
+        if self.is_rollout_process:
+            raise TetherError("PPOTrainer.step: this process is a rollout process (--rollout-processes); it served the "
+                              "trainers until they finished (check PPOTrainer.is_rollout_process in a script)")
         if self.result is not None or self.steps_done >= cfg.steps:
             raise TetherError(f"PPOTrainer.step: the run is finished ({self.steps_done} of --steps {cfg.steps} done)"
                               if self.result is not None else f"PPOTrainer.step: all --steps {cfg.steps} are done; "
@@ -137,7 +155,7 @@ class PPOTrainer:
         notes = metrics.pop("health/notes", [])
         self.skip_streak = self.skip_streak + 1 if metrics["ppo/updates"] == 0 else 0
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
-            metrics.update(self.evaluated(step))
+            metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
         record = StepRecord(step=step, metrics={"step": step, **metrics})
         row = self.callbacks("on_step_end", record, into=record.metrics)
         alerts = self.monitor.update(step, row, final=step == cfg.steps)
@@ -198,7 +216,11 @@ class PPOTrainer:
 
     def evaluate(self) -> dict:
         """The eval/ metrics of the current policy on the held-out prompts (B13), as a step's evaluation computes
-        them; nothing is written. On the main process ({} on the others; a sharded policy: before finish())."""
+        them; nothing is written; the main process gets them, the others {}. Collective wherever evaluation is:
+        under FSDP2, with a tensor-parallel vLLM engine (``--engine-tp``) and with rollout processes
+        (``--rollout-processes``) every training process must call it, as ``train()`` does; a script that calls it
+        on the main process alone waits there until ``--collective-timeout-minutes`` and fails. A multi-process run
+        releases its models at ``finish()``: evaluate before."""
         run = self.run
         # released at finish() (a rollout process has no models and returns {} below)
         if run is None and self.result is not None and self.result.models:
@@ -206,11 +228,13 @@ class PPOTrainer:
                               "evaluate before train() ends (e.g. from a callback) or load the exported policy")
         if run is None or not evaluates_here(run):
             return {}
+        settle_rollouts(run)
         metrics, _ = evaluate(self.run, self.cfg, self.steps_done)
         return metrics if self.run.processes.is_main else {}
 
     def evaluated(self, step: int) -> dict:
         """The step's evaluation (:func:`evaluate_and_log`) with the metrics ``on_evaluate`` callbacks add."""
+        settle_rollouts(self.run)
         metrics = evaluate_and_log(self.run, self.cfg, self.log, step)
         return self.callbacks("on_evaluate", dict(metrics), into=metrics) if metrics else metrics
 

@@ -143,7 +143,7 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
             return masked_mean(x, mask) if normaliser is None else (x * mask).sum() / normaliser
 
         policy_loss, policy_stats = ppo_policy_loss(logprobs, mb.logprobs_old, mb.advantages, mask,
-                                                    cfg.ppo.clip_range)
+                                                    cfg.ppo.clip_range, weights=mb.is_weights)  # B19
         if normaliser is not None:  # the token mean Σ/n_tokens made Σ/normaliser
             policy_loss = policy_loss * mask.sum().clamp(min=1.0) / normaliser
         loss = policy_loss if loss is None else loss + policy_loss

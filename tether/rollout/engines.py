@@ -1,6 +1,8 @@
 """Rollout engines (C3): what samples a step's responses. The PPO step asks its engine for a
-:class:`~tether.rollout.records.Rollout` and, before sampling, to take the policy's current weights; log-probs
-never come from an engine (B2: the training-side forward recomputes them).
+:class:`~tether.rollout.records.Rollout` and, before sampling, to take the policy's current weights. PPO's old
+log-probs never come from an engine (B2: the training-side forward recomputes them); an engine's own log-probs of
+its samples (``Rollout.logprobs_sampler``) are kept beside them, for the mismatch metrics and the off-policy
+correction (B19).
 
 ``transformers`` (the default, any device) samples with the trained module itself, so it has nothing to
 sync. An engine that holds its own copy of the policy sets ``syncs_weights`` and copies the weights in
@@ -20,8 +22,8 @@ from tether.errors import ConfigError
 from tether.hf import DTYPES, context_positions, transformers_model
 from tether.rollout.records import Rollout
 from tether.rollout.sampling import generate
-from tether.sharding import gathered
 from tether.rollout.weights import SyncSeconds
+from tether.sharding import gathered
 
 
 class Engine(Protocol):
@@ -97,9 +99,9 @@ def make_engine(cfg, model, tokenizer, processes=None) -> Engine:
     if getattr(processes, "link", None) is not None:
         from tether.rollout.remote import RemoteEngine
 
-        return RemoteEngine(processes.link, model, tokenizer, sharded=fsdp is not None)
-    if name == "transformers":
-        return TransformersEngine(model, tokenizer, fsdp)
+        return RemoteEngine(processes.link, model, tokenizer, sharded=fsdp is not None, dtype=DTYPES[cfg.model.dtype])
+    if name == "transformers":  # its own log-probs only where the off-policy correction reads them (B19)
+        return TransformersEngine(model, tokenizer, fsdp, sampler_logprobs=cfg.correction.mode != "none")
     if name == "vllm":
         tp = cfg.generation.engine_tp
         if world % tp:

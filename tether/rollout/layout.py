@@ -12,7 +12,8 @@ Layouts of ``accelerate launch ... -m tether ppo`` with N processes:
 
   * ``messages`` (all N, gloo): control from trainer 0, prompts out and token ids + sampler log-probs back, by
     point-to-point sends;
-  * ``weights`` (trainer 0 and the R rollout processes; NCCL on GPUs, gloo on CPUs): the weight broadcast.
+  * ``weights`` (trainer 0 and the R rollout processes; NCCL when every member is on a GPU of its own, else gloo:
+    the members agree on it through the store): the weight broadcast.
 
 Every operation on them waits at most ``collective_timeout_minutes``; a peer that died or stopped answering ends
 the run with one line naming it (:meth:`Link.guard`), never a hang.
@@ -62,6 +63,10 @@ def launch_layout(cfg) -> Layout:
     if rollouts and rollouts >= world:
         raise ConfigError(f"--rollout-processes {rollouts}: this launch has {world} process(es) and at least one "
                           "must train (accelerate launch --num_processes N with N > R)")
+    if rollouts > world - rollouts:  # round robin: rollout process r serves trainers r, r + R, ...
+        raise ConfigError(f"--rollout-processes {rollouts}: this launch has {world} processes, so {world - rollouts} "
+                          f"train and {2 * rollouts - world} rollout process(es) would serve no trainer; use at most "
+                          f"{world // 2} (R <= N - R)")
     return Layout(world, rank, rollouts)
 
 
@@ -83,11 +88,21 @@ def lost_peer(error: RuntimeError) -> bool:
 
 
 def _backend(weights: bool) -> str:
-    """NCCL for the weights between GPUs; gloo for the messages, on CPU processes, and when several processes share
-    a GPU (NCCL refuses two ranks on one device; a one-GPU machine rehearses the layout so)."""
+    """What this process can do: NCCL for the weights between GPUs; gloo for the messages, on CPU processes, and
+    when several processes share a GPU (NCCL refuses two ranks on one device; a one-GPU machine rehearses the
+    layout so). The weights group uses what all its members can (:func:`agreed_backend`)."""
     if not (weights and torch.cuda.is_available()):
         return "gloo"
     return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
+
+
+def agreed_backend(store, prefix: str, member: int, members: int, mine: str) -> str:
+    """The backend every member of a group will build it with: NCCL only when every member can (each publishes
+    what it can under ``prefix`` on the launch's store, then reads the others'), else gloo. Chosen alone, a node
+    with fewer GPUs than processes would build gloo while the other built NCCL: a group that never forms."""
+    store.set(f"{prefix}/{member}", mine)
+    votes = [store.get(f"{prefix}/{m}").decode() for m in range(members)]  # waits for each (the store's timeout)
+    return "nccl" if all(v == "nccl" for v in votes) else "gloo"
 
 
 class Link:
@@ -105,30 +120,37 @@ class Link:
         store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                            is_master=False, timeout=self.timeout)
         prefix = f"tether-rollout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.messages = self._group(store, f"{prefix}/messages", layout.rank, layout.world, weights=False)
+        self.messages = self._group(store, f"{prefix}/messages", layout.rank, layout.world, "gloo")
         members = [0, *range(layout.trainers, layout.world)]
-        self.weights = None
+        self.weights, self.weights_backend = None, "gloo"
         if layout.rank in members:
-            self.weights = self._group(store, f"{prefix}/weights", members.index(layout.rank), len(members),
-                                       weights=True)
+            member = members.index(layout.rank)
+            self.weights_backend = agreed_backend(store, f"{prefix}/weights-backend", member, len(members),
+                                                  _backend(weights=True))
+            self.weights = self._group(store, f"{prefix}/weights", member, len(members), self.weights_backend)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % gpus}" if gpus else "cpu")
-        self.weights_device = self.device if _backend(weights=True) == "nccl" else torch.device("cpu")
+        self.weights_device = self.device if self.weights_backend == "nccl" else torch.device("cpu")
 
-    def _group(self, store, prefix: str, rank: int, size: int, weights: bool):
+    def _group(self, store, prefix: str, rank: int, size: int, backend: str):
         prefixed = torch.distributed.PrefixStore(prefix, store)
-        if _backend(weights) == "nccl":
+        if backend == "nccl":
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             return torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
         return torch.distributed.ProcessGroupGloo(prefixed, rank, size, self.timeout)
 
     # ------------------------------------------------------------------ messages (CPU tensors, point to point)
-    def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
-        self.messages.send([tensor.cpu().contiguous()], to, tag).wait()
+    def send(self, tensor: torch.Tensor, to: int, tag: int, timeout: timedelta | None = None) -> None:
+        """``timeout``: as :meth:`recv`'s (a send completes when the peer receives it)."""
+        work = self.messages.send([tensor.cpu().contiguous()], to, tag)
+        work.wait(timeout) if timeout is not None else work.wait()
 
-    def recv(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
-        self.messages.recv([tensor], source, tag).wait()
+    def recv(self, tensor: torch.Tensor, source: int, tag: int, timeout: timedelta | None = None) -> torch.Tensor:
+        """``timeout``: this wait's own limit instead of the group's (gloo fails it at once all the same when the
+        peer's sockets close: a dead peer is never waited for)."""
+        work = self.messages.recv([tensor], source, tag)
+        work.wait(timeout) if timeout is not None else work.wait()
         return tensor
 
     # ------------------------------------------------------------------ weights (trainer 0 is the root)
@@ -137,11 +159,14 @@ class Link:
         options = torch.distributed.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         self.weights.broadcast([tensor], options).wait()
+        if tensor.is_cuda:  # NCCL's wait only orders the streams: the sync's seconds are the transfer's, not its enqueue
+            torch.cuda.current_stream(tensor.device).synchronize()
         return tensor
 
     @contextlib.contextmanager
-    def guard(self, peers: list[int], doing: str):
-        """Turn a failed or timed-out operation with ``peers`` (launch ranks) into one line naming them."""
+    def guard(self, peers: list[int], doing: str, timed: bool = True):
+        """Turn a failed or timed-out operation with ``peers`` (launch ranks) into one line naming them; ``timed``
+        False: the operation waits without the collective timeout, so only a dead peer ends it."""
         try:
             yield
         except RuntimeError as e:  # gloo/NCCL errors and timeouts (DistBackendError is a RuntimeError)
@@ -151,10 +176,10 @@ class Link:
             kind = "rollout process" if all(p >= self.layout.trainers for p in peers) else "process"
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             me = f"{'rollout process' if self.layout.is_rollout else 'trainer'} {self.layout.rank}"
+            within = (f"stopped answering while {doing}, or died, within the {self.timeout.total_seconds():.0f} s "
+                      f"timeout (collective_timeout_minutes)" if timed else f"died while {doing}")
             raise TetherError(f"{me}: {kind}{'es' if len(peers) > 1 else ''} of rank {who} (of {self.layout.world}; "
-                              f"--rollout-processes {self.layout.rollouts}) stopped answering while {doing}, or "
-                              f"died, within the {self.timeout.total_seconds():.0f} s timeout "
-                              f"(collective_timeout_minutes): {reason}; the run stops") from None
+                              f"--rollout-processes {self.layout.rollouts}) {within}: {reason}; the run stops") from None
 
     def close(self) -> None:
         for group in (self.messages, self.weights):

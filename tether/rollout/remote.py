@@ -9,7 +9,7 @@ Protocol (groups and timeouts: :mod:`tether.rollout.layout`):
 
 - **sync** (after every update, before a rollout): trainer 0 sends SYNC to every rollout process, broadcasts the
   manifest (names, shapes, dtypes per block, :func:`tether.rollout.weights.manifest`), then each block as one flat
-  buffer per dtype, block by block; the next block is gathered from the trainers' FSDP2 shards while this one is
+  buffer per dtype, block by block (a bf16 run's matmul weights in bf16, as autocast computes them); the next block is gathered from the trainers' FSDP2 shards while this one is
   broadcast (:func:`tether.rollout.weights.policy_blocks`). Under FSDP2 every trainer takes part in the gathers; under
   DDP trainer 0 alone sends. The rollout processes load what arrives into their engine as it arrives.
 - **generate**: trainer 0 sends GENERATE to every rollout process; each trainer sends its request (a header with
@@ -20,12 +20,15 @@ Protocol (groups and timeouts: :mod:`tether.rollout.layout`):
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import pickle
 import time
 from collections.abc import Iterator
 
 import torch
 
+from tether.errors import TetherError
 from tether.rollout.layout import Link
 from tether.rollout.records import Rollout
 from tether.rollout.sampling import eos_ids, response_mask_after_eos
@@ -53,11 +56,12 @@ def broadcast_object(link: Link, obj=None):
     return pickle.loads(link.broadcast(payload).cpu().numpy().tobytes())  # only ever from trainer 0, our own process
 
 
-def send_weights(link: Link, model, seconds: SyncSeconds) -> None:
-    """Trainer 0: the policy's weights to every rollout process, block by block (see the module docstring)."""
-    plan = manifest(model)
+def send_weights(link: Link, model, seconds: SyncSeconds, compute_dtype: torch.dtype | None = None) -> None:
+    """Trainer 0: the policy's weights to every rollout process, block by block (see the module docstring), each
+    tensor in the dtype the run computes it in (:mod:`tether.rollout.weights`)."""
+    plan = manifest(model, compute_dtype)
     broadcast_object(link, plan)
-    for spec, block in zip(plan, policy_blocks(model, seconds)):
+    for spec, block in zip(plan, policy_blocks(model, seconds, compute_dtype)):
         for _, entries in dtype_groups(spec):
             link.broadcast(torch.cat([block[name].reshape(-1) for name, *_ in entries]).to(link.weights_device))
 
@@ -77,20 +81,28 @@ def receive_weights(link: Link) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class RemoteEngine:
-    """The rollout processes, as the trainers' engine (disaggregated layout)."""
+    """The rollout processes, as the trainers' engine (disaggregated layout). ``generate`` is :meth:`submit` then
+    :meth:`collect`; one-step-off rollout (C7) submits a batch and collects it a step later, with at most one
+    request in flight."""
 
     name = "remote"
     syncs_weights = True
     collective = True  # every trainer calls generate together: evaluation runs on every trainer
 
-    def __init__(self, link: Link, model, tokenizer, sharded: bool):
-        self.link, self.tokenizer, self.sharded = link, tokenizer, sharded
+    def __init__(self, link: Link, model, tokenizer, sharded: bool, dtype: torch.dtype = torch.float32):
+        """``dtype``: the run's compute dtype (``--model-dtype``): what the matmul weights travel in."""
+        self.link, self.tokenizer, self.sharded, self.dtype = link, tokenizer, sharded, dtype
         self.eos = eos_ids(tokenizer, model)
         self.sync_seconds = SyncSeconds()
+        self.pending: tuple | None = None  # (query, query_mask, min_new_tokens) of the request not yet collected
+        self.closed = False
         if link.layout.rank == 0:  # wait for the engines to start, so that no step's timing includes that
             with link.guard(self._rollouts, "starting its engine"):
                 for rank in self._rollouts:
                     link.recv(torch.zeros(1, dtype=torch.long), rank, Link.CONTROL)
+        # A script that ends without finishing the run (PPOTrainer.step() and exit) still lets the rollout processes
+        # go: collect what is in flight, then STOP (from trainer 0), as its interpreter exits.
+        atexit.register(self.close_quietly)
 
     @property
     def _rollouts(self) -> list[int]:
@@ -102,22 +114,35 @@ class RemoteEngine:
             self.link.send(torch.tensor([op], dtype=torch.long), rank, Link.CONTROL)
 
     def sync_weights(self, model) -> None:
+        if self.pending is not None:
+            raise TetherError("rollout processes: weight sync with a batch still in flight (collect it first)")
         start = time.perf_counter()
         self.sync_seconds = SyncSeconds()
         with self.link.guard(self._rollouts, "taking the weights"):
             if self.link.layout.rank == 0:
                 self._command(SYNC)
-                send_weights(self.link, model, self.sync_seconds)
+                send_weights(self.link, model, self.sync_seconds, self.dtype)
             elif self.sharded:  # the other trainers take part in the all-gathers of the shards
-                for _ in policy_blocks(model, self.sync_seconds):
+                for _ in policy_blocks(model, self.sync_seconds, self.dtype):
                     pass
         self.sync_seconds.transfer = time.perf_counter() - start - self.sync_seconds.gather
 
     @torch.no_grad()
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
                  temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0) -> Rollout:
+        self.submit(query, query_mask, max_new_tokens, temperature, greedy, min_new_tokens)
+        return self.collect()
+
+    def submit(self, query: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int,
+               temperature: float = 1.0, greedy: bool = False, min_new_tokens: int = 0) -> None:
+        """Send this trainer's prompts to its rollout process (trainer 0 first tells every rollout process to
+        GENERATE; every trainer submits together) with the sampling settings and a seed drawn from this trainer's
+        RNG (a resumed run asks for the same samples). The rollout process samples them with the weights of the last
+        sync while this trainer goes on; :meth:`collect` receives them."""
+        if self.pending is not None:
+            raise TetherError("rollout processes: a second request with one still in flight (collect it first)")
         rollout = self.link.layout.rollout_of(self.link.layout.rank)
-        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # the trainer's RNG: a resumed run asks for the same samples
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
         header = torch.tensor([*query.shape, max_new_tokens, min_new_tokens, float(greedy), temperature, seed],
                               dtype=torch.float64)
         with self.link.guard([rollout], "sampling"):
@@ -125,6 +150,17 @@ class RemoteEngine:
                 self._command(GENERATE)
             for tensor in (header, query, query_mask.long()):
                 self.link.send(tensor, rollout, Link.REQUEST)
+        self.pending = (query, query_mask, min_new_tokens)
+
+    @torch.no_grad()
+    def collect(self) -> Rollout:
+        """The rollout of the request in flight: response ids and the engine's log-probs of them (B19)."""
+        if self.pending is None:
+            raise TetherError("rollout processes: nothing in flight to collect")
+        query, query_mask, min_new_tokens = self.pending
+        self.pending = None  # whatever happens next, this request is answered or the run ends
+        rollout = self.link.layout.rollout_of(self.link.layout.rank)
+        with self.link.guard([rollout], "sampling"):
             width = int(self.link.recv(torch.zeros(1, dtype=torch.long), rollout, Link.REPLY))
             response = self.link.recv(torch.zeros((len(query), width), dtype=torch.long), rollout, Link.REPLY)
             logprobs = self.link.recv(torch.zeros((len(query), width)), rollout, Link.REPLY)
@@ -135,8 +171,20 @@ class RemoteEngine:
                        logprobs_sampler=logprobs * response_mask)
 
     def close(self) -> None:
-        """The end of the run: trainer 0 tells the rollout processes to stop; every trainer leaves the groups."""
+        """The end of the run: a batch still in flight is collected (every message matched), trainer 0 tells the
+        rollout processes to stop; every trainer leaves the groups. Once only."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close_quietly)
+        if self.pending is not None:
+            self.collect()
         if self.link.layout.rank == 0:
             with self.link.guard(self._rollouts, "stopping"):
                 self._command(STOP)
         self.link.close()
+
+    def close_quietly(self) -> None:
+        """:meth:`close` at interpreter exit: a peer already gone has nothing left to stop."""
+        with contextlib.suppress(Exception):
+            self.close()

@@ -3,12 +3,14 @@
 It loads the policy's architecture and tokenizer (the weights arrive from the trainers before the first rollout),
 starts its engine (``--engine``: vLLM, or transformers where vLLM is absent), and then does what trainer 0 tells
 it, until STOP: take the weights (:func:`tether.rollout.remote.receive_weights`), or sample its trainers' prompts in
-one batch and send each its rows back. It writes nothing to the run directory. A trainer that died or stopped
-answering ends it with one line (:meth:`tether.rollout.layout.Link.guard`).
+one batch and send each its rows back. It writes nothing to the run directory. Between commands it waits as long
+as trainer 0 lives (checkpoints, the export and a script's own work take what they take); within a command a trainer
+that died or stopped answering ends it with one line (:meth:`tether.rollout.layout.Link.guard`).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,25 +20,29 @@ from tether.hf import DTYPES, context_positions, transformers_model
 from tether.rollout.layout import Layout, Link
 from tether.rollout.remote import GENERATE, HEADER, READY, STOP, SYNC, receive_weights
 
+IDLE_WAIT = timedelta(days=365)  # how long a rollout process waits for trainer 0's next command: as long as it lives
+
 
 def make_rollout_engine(cfg, layout: Layout, device: torch.device):
-    """This rollout process's engine over the policy (loaded from ``--policy``; LoRA never: merged weights arrive)."""
-    from tether.hf import load_tokenizer
-    from tether.rollout.engines import TransformersEngine
-    from tether.hf import load_causal_lm
+    """This rollout process's engine on ``device`` (LoRA never: merged weights arrive with every sync). vLLM starts
+    from the policy's skeleton (config and generation config, no weights: vLLM's copy is the only one this process
+    holds); the transformers engine samples with a copy of the policy loaded from ``--policy``."""
+    from tether.hf import causal_lm_skeleton, load_causal_lm, load_tokenizer
     from tether.presets import resolve_model_path
+    from tether.rollout.engines import TransformersEngine
 
     path = resolve_model_path(cfg.model.policy, what="policy")
     tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device).eval()
     if cfg.generation.engine == "vllm":
         from tether.rollout.vllm_engine import VLLMEngine
 
+        model = causal_lm_skeleton(path, cfg.model.dtype, cfg.model.trust_remote_code)
         max_model_len = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
         max_model_len = min(max_model_len, context_positions(transformers_model(model).config) or max_model_len)
         rows = cfg.rows_per_step * len(layout.trainers_of(layout.rank))
         return VLLMEngine(model, tokenizer, max_model_len, rows=rows, seed=cfg.seed, dtype=DTYPES[cfg.model.dtype],
-                          sleep=False)  # the device is the engine's alone
+                          sleep=False, device=device)  # the device is the engine's alone
+    model = load_causal_lm(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device).eval()
     return TransformersEngine(model, tokenizer, sampler_logprobs=True)
 
 
@@ -49,7 +55,9 @@ def left_padded(queries: list[torch.Tensor], masks: list[torch.Tensor], pad_id: 
 
 
 def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
-    """One GENERATE: every request of this process's trainers, sampled in one batch, each trainer's rows back."""
+    """One GENERATE: every request of this process's trainers, sampled in one batch, each trainer's rows back. A
+    trainer takes its rows when its step needs them (one step off, after training the previous batch): the replies
+    wait as long as it lives."""
     layout = link.layout
     trainers = layout.trainers_of(layout.rank)
     requests = []
@@ -70,15 +78,16 @@ def serve_generate(link: Link, engine, precision, pad_id: int) -> None:
         rows = slice(start, start + len(q))
         start += len(q)
         width = max(int(rollout.lengths[rows].max()), 1)  # this trainer's rows' columns only
-        link.send(torch.tensor([width]), trainer, Link.REPLY)
-        link.send(rollout.response[rows, :width], trainer, Link.REPLY)
-        link.send(rollout.logprobs_sampler[rows, :width].float(), trainer, Link.REPLY)
+        with link.guard([trainer], "this process held its samples", timed=False):
+            for reply in (torch.tensor([width]), rollout.response[rows, :width],
+                          rollout.logprobs_sampler[rows, :width].float()):
+                link.send(reply, trainer, Link.REPLY, timeout=IDLE_WAIT)
 
 
 def serve(cfg) -> Path:
     """Run this process as a rollout process until trainer 0 says STOP; returns the run directory."""
-    from tether.rollout.layout import launch_layout
     from tether.precision import Precision
+    from tether.rollout.layout import launch_layout
 
     layout = launch_layout(cfg)
     torch.manual_seed(cfg.seed + layout.rank)
@@ -90,8 +99,11 @@ def serve(cfg) -> Path:
         with link.guard([0], "starting"):
             link.send(torch.tensor([READY]), 0, Link.CONTROL)
         while True:
-            with link.guard([0], "waiting for trainer 0"):
-                op = int(link.recv(torch.zeros(1, dtype=torch.long), 0, Link.CONTROL))
+            # Between commands trainer 0 may be busy for any time (a checkpoint, the final export, a script's own
+            # work between steps): wait as long as it lives. A dead trainer closes its sockets, which ends this wait
+            # at once; a hung one makes the other trainers' collectives time out, and their launcher stops it.
+            with link.guard([0], "this process waited for its next command", timed=False):
+                op = int(link.recv(torch.zeros(1, dtype=torch.long), 0, Link.CONTROL, timeout=IDLE_WAIT))
             if op == STOP:
                 break
             peers = [0] if op == SYNC else layout.trainers_of(layout.rank)

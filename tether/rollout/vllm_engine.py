@@ -1,5 +1,6 @@
 """The vLLM rollout engine (C3): an in-process vLLM ``LLM`` samples the rollouts and takes the trainer's weights
-before every rollout. Log-probs still come from the training-side forward (B2); vLLM only picks the tokens.
+before every rollout. PPO's log-probs still come from the training-side forward (B2); vLLM picks the tokens and
+reports its own log-probs of them, kept beside the trainer's for the mismatch metrics and the correction (B19).
 
 Layouts (reference 000 §C, docs/sampling.md): one engine beside each trainer process (colocated, "hybrid"), one
 tensor-parallel engine per ``--engine-tp`` processes (vLLM's ``external_launcher`` executor inside the launched
@@ -62,6 +63,17 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype, tp: int = 1) -> int:
     return max(per_token * tokens, 64 * 2**20)
 
 
+def engine_placement(device: torch.device, distributed: bool) -> dict:
+    """The ``vllm.LLM`` arguments that put an engine on ``device``. Inside a launched job (``external_launcher``)
+    vLLM takes the device from ``LOCAL_RANK`` itself. Alone (one process, or a rollout process, which is not in the
+    trainers' group) its single-process executor takes local rank 0, i.e. ``cuda:0``, unless told: every rollout
+    process of a node would share its first GPU. ``device_ids`` (indices into the visible devices, vLLM 0.32)
+    names this process's."""
+    if distributed or device.type != "cuda":
+        return {}
+    return {"device_ids": [device.index if device.index is not None else torch.cuda.current_device()]}
+
+
 class VLLMEngine:
     """``vllm.LLM`` over a copy of the policy's weights, synced before each rollout; one per process (hybrid
     layout), or one per ``tp`` processes (tensor parallel through vLLM's ``external_launcher``), or one per rollout
@@ -71,12 +83,15 @@ class VLLMEngine:
     syncs_weights = True
 
     def __init__(self, model, tokenizer, max_model_len: int, rows: int, seed: int,
-                 dtype: torch.dtype = torch.float32, tp: int = 1, sleep: bool = True):
+                 dtype: torch.dtype = torch.float32, tp: int = 1, sleep: bool = True,
+                 device: torch.device | None = None):
         """``dtype``: the run's compute dtype (``--model-dtype``): bf16 runs train fp32 masters under bf16
         autocast, so the engine computes in bf16, not in the masters' fp32. ``rows``: this process's batch.
         ``tp``: processes per engine (consecutive ranks of the run's process group; each passes its own rows).
         ``sleep``: on a GPU, free the engine's memory between rollouts (colocated with training); a rollout
-        process's engine has its device to itself and stays awake."""
+        process's engine has its device to itself and stays awake. ``model`` may be a weightless skeleton on the
+        meta device (:func:`tether.hf.causal_lm_skeleton`: a rollout process, whose weights arrive by a sync) with
+        ``device`` the engine's; else the engine starts on the model's device with its weights."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # tether shows its own progress
         try:
@@ -86,11 +101,11 @@ class VLLMEngine:
         base = transformers_model(model)
         config = base.config
         _, _, head_dim = attention_shape(config)
-        device = next(base.parameters()).device
+        device = device or next(base.parameters()).device
         if device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
             raise ConfigError(f"--engine vllm: the policy's attention heads are {head_dim} wide; vLLM's CPU "
                               f"kernels take {', '.join(map(str, CPU_HEAD_SIZES))}; use --engine transformers")
-        self.tokenizer, self.eos, self.tp = tokenizer, eos_ids(tokenizer, model), tp
+        self.tokenizer, self.eos, self.tp, self.dtype = tokenizer, eos_ids(tokenizer, model), tp, dtype
         self.on_gpu = device.type == "cuda"
         self.sleeps = sleep and self.on_gpu
         self.sync_seconds = SyncSeconds()
@@ -129,7 +144,8 @@ class VLLMEngine:
                                generation_config="vllm", logprobs_mode="processed_logprobs", load_format="dummy",
                                max_model_len=max_model_len, enforce_eager=not self.on_gpu,
                                kv_cache_memory_bytes=kv_bytes, tensor_parallel_size=tp,
-                               distributed_executor_backend="external_launcher" if distributed else None, **memory)
+                               distributed_executor_backend="external_launcher" if distributed else None,
+                               **memory, **engine_placement(device, distributed))
         finally:
             random.setstate(rng[0])
             np.random.set_state(rng[1])
@@ -138,7 +154,8 @@ class VLLMEngine:
         if shares_memory:
             unlink_joined_segments()
         self._asleep = False
-        self.sync_weights(model)
+        if next(base.parameters()).device.type != "meta":  # a skeleton has no weights: they come with a sync
+            self.sync_weights(model)
 
     def sync_weights(self, model) -> None:
         """Load the trained weights into the engine, one block at a time as :func:`tether.rollout.weights.policy_blocks`
@@ -147,7 +164,10 @@ class VLLMEngine:
         engine)."""
         start = time.perf_counter()
         self.sync_seconds = SyncSeconds()
-        self.load_weights((item for block in policy_blocks(model, self.sync_seconds) for item in block.items()))
+        self.load_weights((item for block in policy_blocks(model, self.sync_seconds, self.dtype)
+                           for item in block.items()))
+        if self.on_gpu:  # the copies into vLLM's weights are queued on the device: time their completion
+            torch.cuda.synchronize()
         self._model = model
         self.sync_seconds.transfer = time.perf_counter() - start - self.sync_seconds.gather
 

@@ -14,6 +14,12 @@ ever holds a whole extra copy of the policy:
 
 The gathered tensors are fresh allocations, not views of FSDP2's unshard buffers: an engine may keep references
 after the block has been handed on (vLLM's layer-wise reload buffers a layer's weights until it has them all).
+
+With a compute dtype (``--model-dtype bf16``/``fp16``) each tensor goes in the dtype the forward computes it in: a
+weight or bias that autocast casts before every use (:func:`tether.precision.autocast_cast_parameters`: Linear and
+Conv1D, not tied to an embedding) in the compute dtype, cast from the fp32 master exactly as autocast casts it (and
+before the all-gather: half the bytes); embeddings, norms and tied weights as held (fp32 masters). An engine then
+samples with the numbers the trainer computes with, and a bf16 run sends ~half the bytes of its fp32 masters.
 """
 
 from __future__ import annotations
@@ -113,16 +119,17 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 
 class _Gather:
-    """The all-gather of one block's sharded tensors, started at once (async), grouped by dtype: one collective per
-    dtype. ``wait()`` returns every tensor of the block full and local."""
+    """The all-gather of one block's sharded tensors, started at once (async), each in its ``dtypes`` entry (cast
+    before gathering: elementwise, so the same as casting the full tensor), grouped by dtype: one collective per
+    dtype. ``wait()`` returns every tensor of the block full and local, in its dtype."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self, tensors: list[torch.Tensor], dtypes: list[torch.dtype]):
+        self.tensors, self.dtypes = tensors, dtypes
         self.pending = []  # (work, output (G, n), [(index, local rows, shape)])
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             if _is_sharded(t):
-                by_dtype.setdefault(t.dtype, []).append(i)
+                by_dtype.setdefault(dtypes[i], []).append(i)
         for dtype, indices in by_dtype.items():
             group = tensors[indices[0]].device_mesh.get_group()
             world = torch.distributed.get_world_size(group)
@@ -131,7 +138,7 @@ class _Gather:
                 t = tensors[i]
                 assert tuple(t.placements) == (torch.distributed.tensor.Shard(0),), t.placements
                 rows = -(-t.shape[0] // world)  # torch.chunk's (and FSDP2's) chunk: ceil(d0 / G) rows
-                local = t.to_local()
+                local = t.to_local().to(dtype)
                 padded = local.new_zeros((rows, *t.shape[1:]))
                 padded[:local.shape[0]] = local
                 parts.append(padded.reshape(-1))
@@ -142,9 +149,11 @@ class _Gather:
             self.pending.append((work, out.view(world, flat.numel()), layout))
 
     def wait(self) -> list[torch.Tensor]:
-        full = list(self.tensors)
+        full = [t if _is_sharded(t) else t.to(dtype) for t, dtype in zip(self.tensors, self.dtypes)]
         for work, out, layout in self.pending:
             work.wait()
+            if out.is_cuda:  # NCCL's wait only orders the streams: time the gather's completion, not its enqueue
+                torch.cuda.current_stream(out.device).synchronize()
             offset = 0
             for i, rows, shape in layout:
                 n = rows * (torch.Size(shape[1:]).numel())
@@ -154,23 +163,33 @@ class _Gather:
         return full
 
 
-def _block_inputs(block: Block) -> tuple[list[torch.Tensor], list[int]]:
-    """The block's source tensors, each once (a tied weight is gathered once), and for each entry of
-    :func:`_assemble`'s walk (names, then each LoRA base, A, B) its index among them."""
+def wire_dtype(t: torch.Tensor, cast: set[int], compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is sent in: the compute dtype when autocast casts it before use (``cast``: ids of such
+    parameters), else its own."""
+    return compute_dtype if compute_dtype is not None and id(t) in cast else t.dtype
+
+
+def _block_inputs(block: Block, cast: set[int], compute_dtype: torch.dtype | None
+                  ) -> tuple[list[torch.Tensor], list[torch.dtype], list[int]]:
+    """The block's source tensors, each once (a tied weight is gathered once), the dtype each is gathered in (LoRA's A
+    and B in their own: ΔW is computed from them as peft does), and for each entry of :func:`_assemble`'s walk
+    (names, then each LoRA base, A, B) its index among them."""
     unique: dict[int, int] = {}
     inputs: list[torch.Tensor] = []
-    walk = list(block.tensors.values())
+    dtypes: list[torch.dtype] = []
+    walk = [(t, wire_dtype(t, cast, compute_dtype)) for t in block.tensors.values()]
     for base, adapters in block.lora.values():
-        walk.append(base)
+        walk.append((base, wire_dtype(base, cast, compute_dtype)))
         for a, b, _, _ in adapters:
-            walk += [a, b]
+            walk += [(a, a.dtype), (b, b.dtype)]
     index = []
-    for t in walk:
+    for t, dtype in walk:
         if id(t) not in unique:
             unique[id(t)] = len(inputs)
             inputs.append(t)
+            dtypes.append(dtype)
         index.append(unique[id(t)])
-    return inputs, index
+    return inputs, dtypes, index
 
 
 def _assemble(block: Block, full: list[torch.Tensor], index: list[int]) -> dict[str, torch.Tensor]:
@@ -188,37 +207,51 @@ def _assemble(block: Block, full: list[torch.Tensor], index: list[int]) -> dict[
     return out
 
 
+def cast_parameters(model: nn.Module, compute_dtype: torch.dtype | None) -> set[int]:
+    """ids of the policy's parameters that go in ``compute_dtype`` (none for fp32 or None)."""
+    from tether.precision import autocast_cast_parameters
+
+    if compute_dtype in (None, torch.float32):
+        return set()
+    return autocast_cast_parameters(base_model(model))
+
+
 @torch.no_grad()
-def policy_blocks(model: nn.Module, seconds: SyncSeconds | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def policy_blocks(model: nn.Module, seconds: SyncSeconds | None = None,
+                  compute_dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The policy's checkpoint tensors, one block (dict name -> full tensor) at a time; the next block's all-gather
     runs while the caller uses the current one. ``seconds.gather`` accumulates the time spent waiting for a block
-    (and folding LoRA in). Collective under FSDP2: every process of the group iterates to the end."""
+    (and folding LoRA in). ``compute_dtype``: the run's (see the module docstring); None keeps every dtype.
+    Collective under FSDP2: every process of the group iterates to the end, with the same ``compute_dtype``."""
     blocks = checkpoint_blocks(model)
-    inputs, index = _block_inputs(blocks[0])
-    gather = _Gather(inputs)
+    cast = cast_parameters(model, compute_dtype)
+    inputs, dtypes, index = _block_inputs(blocks[0], cast, compute_dtype)
+    gather = _Gather(inputs, dtypes)
     for k, block in enumerate(blocks):
         start = time.perf_counter()
         tensors = _assemble(block, gather.wait(), index)
         if seconds is not None:
             seconds.gather += time.perf_counter() - start
         if k + 1 < len(blocks):  # in flight while this block is loaded or broadcast
-            inputs, index = _block_inputs(blocks[k + 1])
-            gather = _Gather(inputs)
+            inputs, dtypes, index = _block_inputs(blocks[k + 1], cast, compute_dtype)
+            gather = _Gather(inputs, dtypes)
         yield tensors
 
 
-def policy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+def policy_weights(model: nn.Module, compute_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """All of the policy's checkpoint tensors at once (an unsharded model: its own tensors, LoRA folded into new
     ones). Collective under FSDP2, and then a whole full copy: use :func:`policy_blocks` to stream them."""
     weights: dict[str, torch.Tensor] = {}
-    for block in policy_blocks(model):
+    for block in policy_blocks(model, compute_dtype=compute_dtype):
         weights.update(block)
     return weights
 
 
-def manifest(model: nn.Module) -> list[list[tuple[str, tuple, str, str]]]:
-    """What :func:`policy_blocks` will yield, without gathering anything: per block, (checkpoint name, shape, dtype,
-    the name it is tied to or '') in yield order. A receiver allocates from it; a tied tensor is sent once."""
+def manifest(model: nn.Module, compute_dtype: torch.dtype | None = None) -> list[list[tuple[str, tuple, str, str]]]:
+    """What :func:`policy_blocks` will yield, without gathering anything: per block, (checkpoint name, shape, dtype
+    on the wire, the name it is tied to or '') in yield order. A receiver allocates from it; a tied tensor is sent
+    once."""
+    cast = cast_parameters(model, compute_dtype)
     out = []
     for block in checkpoint_blocks(model):
         first: dict[int, str] = {}
@@ -227,6 +260,7 @@ def manifest(model: nn.Module) -> list[list[tuple[str, tuple, str, str]]]:
                                                                      block.lora.items()]
         for name, t in sources:
             tied = first.setdefault(id(t), name)
-            entries.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch."), "" if tied == name else tied))
+            dtype = str(wire_dtype(t, cast, compute_dtype)).removeprefix("torch.")
+            entries.append((name, tuple(t.shape), dtype, "" if tied == name else tied))
         out.append(entries)
     return out
