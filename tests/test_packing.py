@@ -135,8 +135,8 @@ def test_packed_grpo_step_ratio_one_and_kl_zero_before_an_update(tmp_path, monke
     seen = []
     original = update_module.ppo_policy_loss
 
-    def spy(logprobs, logprobs_old, advantages, mask, clip_range):
-        loss, stats = original(logprobs, logprobs_old, advantages, mask, clip_range)
+    def spy(logprobs, logprobs_old, advantages, mask, clip_range, **kwargs):
+        loss, stats = original(logprobs, logprobs_old, advantages, mask, clip_range, **kwargs)
         seen.append(stats)
         return loss, stats
 

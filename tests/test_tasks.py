@@ -12,6 +12,9 @@ TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1"
 @pytest.mark.parametrize("reply, answer", [
     ("3 + 4 = 7. The answer is 7.", "7"),
     ("The answer is -5", "-5"),
+    ("The answer to the given arithmetic problem is 4.", "4"),
+    ("The answer. It is 4, so the answer is 5.", "5"),
+    ("This is hard. Answer: 3", "3"),
     ("First, 2+2=4.\nSo the answer is **12**.", "12"),
     ("<answer> nus </answer>", "nus"),
     ("blah <answer>1</answer> then <answer>2</answer>", "2"),
@@ -57,3 +60,27 @@ def test_held_out_rows_are_never_training_rows():
     assert split_rows(TASK, 200, 60, seed=3) == (train, held_out)  # seeded
     big_train, big_held_out = split_rows("rg:chain_sum:min_terms=3,max_terms=3,min_digits=2,max_digits=2", 300, 50)
     assert len(big_train) == 300 and len(big_held_out) == 50
+
+
+def test_a_task_as_prompts_gives_its_held_out_split_and_its_own_gold_rule():
+    """--prompts rg:DATASET: the run's training and held-out rows are the task's distinct split (the same held-out
+    problems for any run seed), and --gold auto is the task's own check, not the math rule."""
+    from tether.ppo.config import RunConfig
+    from tether.ppo.setup import load_prompt_sets, resolve_gold
+
+    name = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1"
+    rows = {}
+    for seed in (0, 1):
+        cfg = RunConfig()
+        cfg.seed, cfg.data.prompts, cfg.data.task_train, cfg.data.task_eval = seed, name, 40, 30
+        rows[seed] = load_prompt_sets(cfg)
+    train, held_out = rows[0]
+    assert len(held_out) == 30 and 0 < len(train) <= 40
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert [r["prompt"] for r in rows[1][1]] == [r["prompt"] for r in held_out]  # not the run seed's
+    gold = resolve_gold("auto", held_out)
+    assert gold is reasoning_gym_correct
+    first = held_out[0]
+    verdicts = gold([first["prompt"]] * 2, [f"The answer is {first['answer']}.", "The answer is -1."],
+                    **{k: [first[k]] * 2 for k in ("answer", "rg_task", "rg_metadata")})
+    assert verdicts == [1.0, 0.0]

@@ -126,12 +126,17 @@ def _one_row(fn, prompts, responses, fields, i: int):
 
 
 def gold_rule(spec: str, rows: list[dict], given=None, flag: str = "--gold"):
-    """The eval/accuracy rule: explicit ``module:function``, ``none``, ``auto`` (the math rule when the prompt
-    rows carry an ``answer``), or ``python:NAME``: the callable ``given`` from Python."""
+    """The eval/accuracy rule: explicit ``module:function``, ``none``, ``auto`` (a reasoning-gym task's own check
+    when the rows come from one, else the math rule when they carry an ``answer``), or ``python:NAME``: the callable
+    ``given`` from Python."""
     if given is not None:
         return given
     if spec == "none":
         return None
+    if spec == "auto" and rows and all("rg_task" in r for r in rows):
+        from tether.tasks import reasoning_gym_correct
+
+        return reasoning_gym_correct
     if spec == "auto":
         if rows and all("answer" in r for r in rows):
             from tether.rules import math_correct

@@ -74,13 +74,13 @@ def split_rows(name: str, n_train: int, n_eval: int, seed: int = 0) -> tuple[lis
 
 
 ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S | re.I)
-ANSWER_IS = re.compile(r"answer is[:\s]*(.+)", re.I)
+ANSWER_IS = re.compile(r"answer\b[^.\n]*?\bis\b[:\s]*(.+)", re.I)  # "answer is N", "answer to the sum is N"
 ANSWER_COLON = re.compile(r"answer:\s*(.+)", re.I)
 
 
 def final_answer(reply: str) -> str:
     """The final answer of a free-text reply: the last ``<answer>…</answer>``, else what follows the last
-    "answer is" / "Answer:" on its line, else the last non-empty line; without a trailing full stop, surrounding
+    "answer … is" (within one sentence) / "Answer:" on its line, else the last non-empty line; without a trailing full stop, surrounding
     quotes, ``**`` or ``$``."""
     for pattern in (ANSWER_TAG, ANSWER_IS, ANSWER_COLON):
         found = pattern.findall(reply)

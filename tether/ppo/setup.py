@@ -126,6 +126,13 @@ def load_prompt_sets(cfg, given: GivenInputs | None = None) -> tuple[list[dict],
     """Training and held-out prompt rows (a seeded split of --prompts when there is no --eval-prompts); ``given``:
     rows handed over from Python in place of the files."""
     given = given or GivenInputs()
+    if given.prompts is None and cfg.data.prompts.startswith("rg:"):  # a generated task: its own held-out split
+        from tether.tasks import split_rows
+
+        rows, held_out = split_rows(cfg.data.prompts, cfg.data.task_train, cfg.data.task_eval, cfg.data.task_seed)
+        if given.eval_prompts is not None or cfg.data.eval_prompts:
+            held_out = given.eval_prompts if given.eval_prompts is not None else load_prompts(cfg.data.eval_prompts)
+        return rows, held_out
     rows = given.prompts if given.prompts is not None else load_prompts(cfg.data.prompts)
     if given.eval_prompts is not None:
         return rows, given.eval_prompts
