@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tether.cli import main
-from tether.sft.sample import SampleConfig, kept_rows, rejection_sample
+from tether.sft.sample import SampleConfig, kept_rows, preference_pairs, rejection_sample
 from test_presets import SMOL, needs_smollm2
 from tiny import make_policy_dir, make_prompts_file
 
@@ -39,6 +39,34 @@ def test_kept_rows_by_hand():
     assert [r["completion"] for r in kept_rows(chunk, responses, scores, ended, 3, cfg, counts0())] == [" a ", "e"]
     cfg.accept.max_per_prompt, cfg.accept.keep = 0, "best"
     assert [r["completion"] for r in kept_rows(chunk, responses, scores, ended, 3, cfg, counts0())] == [" a ", "e"]
+
+
+def test_preference_pairs_by_hand():
+    """--keep pairs: accepted ≻ rejected of the same prompt, distinct texts, best chosen and worst rejected first; a
+    cut reply is rejected (--require-eos), a NaN is neither, a text on both sides gives no pair, a prompt whose samples
+    all passed gives none."""
+    chunk = [{"prompt": "p0", "answer": "1"}, {"prompt": "p1", "answer": "2"}, {"prompt": "p2", "answer": "3"}]
+    responses = ["a", "b", " a ", "c", "x",   # p0
+                 "d", "d", "e", "f", "g",     # p1: "d" accepted once and cut once: on both sides
+                 "h", "i", "j", "k", "l"]     # p2: every sample passed
+    scores = [1.0, 0.0, 2.0, 0.3, math.nan,
+              1.0, 1.0, 0.0, 1.0, 1.0,
+              1.0, 1.0, 1.0, 1.0, 1.0]
+    ended = [True] * 5 + [True, False, True, True, False] + [True] * 5
+    cfg = SampleConfig()
+    cfg.accept.keep = "pairs"
+    counts = counts0()
+    rows = preference_pairs(chunk, responses, scores, ended, 5, cfg, counts)
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
+        ("p0", " a ", "b"), ("p0", " a ", "c"),  # "a" = " a " (best 2.0, as sampled); "b" 0.0 before "c" 0.3
+        # tied chosen in sampling order; rejected worst first ("e" 0.0, then the cut "d" and "g"); "d" ≻ "d" dropped
+        ("p1", "d", "e"), ("p1", "d", "g"), ("p1", "f", "e"), ("p1", "f", "d"), ("p1", "f", "g")]
+    assert rows[0] == {"answer": "1", "prompt": "p0", "chosen": " a ", "rejected": "b", "chosen_score": 2.0,
+                       "rejected_score": 0.0}
+    assert counts == {"accepted": 2 + 2 + 5, "prompts_with_kept": 2}
+    cfg.accept.max_per_prompt = 1
+    assert [(r["chosen"], r["rejected"]) for r in kept_rows(chunk, responses, scores, ended, 5, cfg, counts0())] == [
+        (" a ", "b"), ("d", "e")]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +109,27 @@ def test_a_rule_with_ended_with_eos_judges_every_sample_and_decides_what_is_kept
     assert c["prompts_with_kept"] == len({p for p, _ in expected})
     summary = json.loads((tmp_path / "rft.jsonl.summary.json").read_text())
     assert summary["counts"] == c and summary["config"]["accept"]["sources"] == ["python:judge"]
+
+
+def test_pairs_of_the_policys_own_samples_feed_train_rm(files, tmp_path):
+    """--keep pairs from a rule's verdicts: every written pair is an accepted ≻ a rejected sample of the same prompt,
+    and tether train-rm trains on the file as it is (extra columns ignored)."""
+    from tether.cli import main
+
+    policy, prompts = files
+
+    def judge(prompts, responses, **fields):
+        return [float(len(r) % 2 == 0) for r in responses]
+
+    out = tmp_path / "pairs.jsonl"
+    rejection_sample({"model": {"policy": str(policy)}, "data": {"prompts": str(prompts)}, "output": str(out),
+                      "samples_per_prompt": 6, "batch_size": 6, "progress": False, "generation": {"max_new_tokens": 5},
+                      "accept": {"require_eos": False, "keep": "pairs"}}, reward={"judge": judge})
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(len(r["chosen"]) % 2 == 0 and len(r["rejected"]) % 2 == 1 for r in rows)
+    assert all(r["chosen_score"] == 1.0 and r["rejected_score"] == 0.0 for r in rows)
+    assert main(["train-rm", "--model", str(policy), "--data", str(out), "--output-dir", str(tmp_path / "rm"),
+                 "--epochs", "1", "--batch-size", "4", "--eval-fraction", "0.2"]) == 0
 
 
 def test_a_reward_model_keeps_the_best_of_n_and_the_rows_feed_sft(files, tmp_path, capsys):

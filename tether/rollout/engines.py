@@ -101,7 +101,9 @@ def make_engine(cfg, model, tokenizer, processes=None) -> Engine:
 
         return RemoteEngine(processes.link, model, tokenizer, sharded=fsdp is not None, dtype=DTYPES[cfg.model.dtype])
     if name == "transformers":  # its own log-probs only where the off-policy correction reads them (B19)
-        return TransformersEngine(model, tokenizer, fsdp, sampler_logprobs=cfg.correction.mode != "none")
+        correction = getattr(cfg, "correction", None)  # PPO's; SFT's evaluation and tether sample have none
+        return TransformersEngine(model, tokenizer, fsdp,
+                                  sampler_logprobs=correction is not None and correction.mode != "none")
     if name == "vllm":
         tp = cfg.generation.engine_tp
         if world % tp:

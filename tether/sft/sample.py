@@ -15,7 +15,8 @@ the row's columns and ``ended_with_eos`` (:func:`tether.rule_calls.call_rule`), 
 (several: their mean) — and is **accepted** when that sum is finite and ≥ ``--min-score`` and, with
 ``--require-eos`` (the default), it ended with EOS (a cut reply is no demonstration). Per prompt, the accepted
 samples (distinct texts) are kept best first: ``--keep best`` the top one (Best-of-N), ``--keep all`` up to
-``--max-per-prompt`` (0 = every one; RFT keeps distinct correct ones).
+``--max-per-prompt`` (0 = every one; RFT keeps distinct correct ones); ``--keep pairs`` writes preference pairs
+instead, accepted ≻ rejected samples of the same prompt, for ``tether train-rm`` (:func:`preference_pairs`).
 
 Output: JSONL rows ``{"prompt": <as given>, "completion": <sample>, <the prompt row's columns>, "score": s}`` — ``tether
 sft`` with the same ``--system-prompt``/``--prompt-template`` trains on the very context the samples were drawn in —
@@ -49,7 +50,12 @@ class SampleModel:
 
 @dataclass
 class SampleData:
-    prompts: str = option("", "prompt file (tether ppo's shapes: prompt, GSM8K, SVAMP, HH, messages)", flag="--prompts")
+    prompts: str = option("", "prompt file (tether ppo's shapes: prompt, GSM8K, SVAMP, HH, messages), or a task "
+                          "rg:DATASET[:key=value,...]: its training rows as tether ppo splits them with the same "
+                          "data.task_* settings (held-out rows never sampled)", flag="--prompts")
+    task_train: int = option(2000, "rg: tasks: training problems (as tether ppo's data.task_train)", low=1)
+    task_eval: int = option(200, "rg: tasks: held-out problems left out (as tether ppo's data.task_eval)", low=0)
+    task_seed: int = option(0, "rg: tasks: the generator's seed (as tether ppo's data.task_seed)")
     max_prompts: int = option(0, "use only the first N prompts (0 = all)", low=0, flag="--max-prompts")
     chat_template: str = option("auto", "wrap prompts in the tokenizer's chat template", choices=("auto", "on", "off"))
     system_prompt: str = option("", "system turn for the chat template ('' = the template's default), as in tether "
@@ -79,9 +85,11 @@ class SampleAccept:
                               "reward model's standardised score: in standard deviations)", flag="--min-score")
     require_eos: bool = option(True, "accept only samples that ended with EOS (never a reply cut by "
                                "--max-new-tokens)", flag="--require-eos")
-    keep: str = option("all", "per prompt: 'all' accepted distinct samples (best first, up to --max-per-prompt) or "
-                       "the 'best' one (Best-of-N)", choices=("all", "best"), flag="--keep")
-    max_per_prompt: int = option(0, "--keep all: at most this many rows per prompt (0 = every accepted one)", low=0,
+    keep: str = option("all", "per prompt: 'all' accepted distinct samples (best first, up to --max-per-prompt), "
+                       "the 'best' one (Best-of-N), or 'pairs': each accepted sample ≻ each rejected one of the "
+                       "same prompt, as preference pairs for tether train-rm", choices=("all", "best", "pairs"),
+                       flag="--keep")
+    max_per_prompt: int = option(0, "--keep all|pairs: at most this many rows per prompt (0 = every one)", low=0,
                                  flag="--max-per-prompt")
 
 
@@ -115,6 +123,9 @@ class SampleConfig:
             raise ConfigError("--reward: at least one rule or reward model is required (what accepts a sample)")
         if "{prompt}" not in self.data.prompt_template:
             raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
+        if self.accept.keep == "pairs" and self.format == "messages":
+            raise ConfigError("--keep pairs: rows are prompt/chosen/rejected text pairs; --format messages is for SFT "
+                              "rows")
 
 
 @dataclass
@@ -153,6 +164,8 @@ def kept_rows(chunk: list[dict], responses: list[str], scores: list[float], ende
     """The rows kept from one chunk's samples (``k`` adjacent samples per prompt), best first per prompt; a text
     sampled twice (up to surrounding whitespace) is one row, with its best score."""
     a = cfg.accept
+    if a.keep == "pairs":
+        return preference_pairs(chunk, responses, scores, ended, k, cfg, counts)
     out = []
     for i, row in enumerate(chunk):
         distinct: dict[str, tuple[float, str]] = {}  # stripped text -> (best score, the text as sampled)
@@ -166,6 +179,38 @@ def kept_rows(chunk: list[dict], responses: list[str], scores: list[float], ende
         limit = 1 if a.keep == "best" else (a.max_per_prompt or len(ranked))
         out += [sample_row(row, text, score, cfg) for score, text in ranked[:limit]]
         counts["prompts_with_kept"] += bool(ranked)
+    return out
+
+
+def preference_pairs(chunk: list[dict], responses: list[str], scores: list[float], ended: list[bool], k: int, cfg,
+                     counts: dict) -> list[dict]:
+    """``--keep pairs``: per prompt, every distinct accepted text (chosen) paired with every distinct rejected one —
+    a finite score below ``--min-score``, or (``--require-eos``) a reply cut short — as ``{"prompt", "chosen",
+    "rejected", <the row's columns>, "chosen_score", "rejected_score"}``, the policy's own samples labelled by the
+    rule (the classic pipeline's reward-model data). A text both accepted and rejected (a cut reply equal to an
+    ended one) cannot be told apart and gives no pair; a NaN score or an empty reply is neither; prompts whose samples all passed or
+    all failed give none. Up to ``--max-per-prompt`` pairs a prompt, the best chosen and the worst rejected first."""
+    a = cfg.accept
+    out = []
+    for i, row in enumerate(chunk):
+        chosen: dict[str, tuple[float, str]] = {}    # stripped text -> (best score, the text as sampled)
+        rejected: dict[str, tuple[float, str]] = {}  # stripped text -> (worst score, the text as sampled)
+        for j in range(i * k, (i + 1) * k):
+            key, accepted = responses[j].strip(), scores[j] >= a.min_score and (ended[j] or not a.require_eos)
+            counts["accepted"] += accepted
+            if not math.isfinite(scores[j]) or not key:  # an empty reply: train-rm takes no empty side
+                continue
+            side, better = (chosen, scores[j] > chosen.get(key, (-math.inf,))[0]) if accepted else \
+                (rejected, scores[j] < rejected.get(key, (math.inf,))[0])
+            if better:
+                side[key] = (scores[j], responses[j])
+        pairs = [(c, r) for c in sorted(chosen, key=lambda t: -chosen[t][0])
+                 for r in sorted(rejected, key=lambda t: rejected[t][0]) if c != r]
+        columns = {key: v for key, v in row.items() if key != "prompt"}
+        out += [{**columns, "prompt": row["prompt"], "chosen": chosen[c][1], "rejected": rejected[r][1],
+                 "chosen_score": chosen[c][0], "rejected_score": rejected[r][0]}
+                for c, r in pairs[:a.max_per_prompt or len(pairs)]]
+        counts["prompts_with_kept"] += bool(pairs)
     return out
 
 
@@ -220,7 +265,14 @@ def rejection_sample(config, reward=None, prompts=None) -> SampleResult:
     if prompts is not None and not cfg.data.prompts:
         cfg.data.prompts = "python:prompts"
     cfg = as_config(SampleConfig, cfg)
-    rows = prompts_from_data(prompts, "prompts") if prompts is not None else load_prompts(cfg.data.prompts)
+    if prompts is not None:
+        rows = prompts_from_data(prompts, "prompts")
+    elif cfg.data.prompts.startswith("rg:"):  # a generated task: its training rows, as tether ppo splits it
+        from tether.tasks import split_rows
+
+        rows = split_rows(cfg.data.prompts, cfg.data.task_train, cfg.data.task_eval, cfg.data.task_seed)[0]
+    else:
+        rows = load_prompts(cfg.data.prompts)
     rows = rows[:cfg.data.max_prompts] if cfg.data.max_prompts else rows
     torch.manual_seed(cfg.seed)
     model, tokenizer, use_chat = load_policy_for_sampling(cfg)
