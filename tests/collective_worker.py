@@ -29,7 +29,7 @@ def main() -> None:
     if mode == "timeout":
         limit = cfg.collective_timeout_minutes * 60
         if processes.rank == 0:
-            time.sleep(20 * limit)  # the others' wait, far past the limit: they must give up
+            time.sleep(8 * limit)  # the others' wait, far past the limit: they must give up
         else:
             start = time.monotonic()
             try:
