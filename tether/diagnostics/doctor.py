@@ -25,10 +25,10 @@ from typing import Any
 import yaml
 
 from tether.config import config_from_dict
-from tether.diagnostics.gold import describe, with_problem_results
+from tether.diagnostics.gold import describe, upper_tail, with_problem_results
 from tether.diagnostics.groups import flat_groups_prescriptions
-from tether.diagnostics.health import (BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, Alert, HealthConfig,
-                                       HealthMonitor)
+from tether.diagnostics.health import (BANDS, GOLD_ALARM, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, Alert,
+                                       HealthConfig, HealthMonitor)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
 from tether.errors import TetherError
 
@@ -190,8 +190,15 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs
                  and not (no_critic and b.key.startswith("value/"))]
     alerts = monitor.alerts()
-    failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     gold, notes = _gold_summary(monitor)
+    vouch = gold_vouches(monitor)
+    if vouch is not None:  # the outcome measured on held-out problems contradicts what these bands predict
+        step, why = vouch
+        overruled = [a for a in alerts if a.band.name in VOUCHABLE and a.alarm_step <= step]
+        alerts = [a for a in alerts if a not in overruled]
+        notes = [f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): {why}"
+                 for a in overruled] + notes
+    failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes,
                   layout=rollout_layout(run_config or {}))
     if not failures:
@@ -204,6 +211,45 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
         first_step=cause.onset_step, alarm_step=cause.alarm_step,
         evidence=_evidence(cause, monitor, rest),
         prescriptions=_prescribe(cause.failure_mode, run_config or {}, rows, cause.onset_step), **common)
+
+
+# Bands that predict damage which a held-out gold evaluation measures directly: a per-token KL tail, an entropy
+# drop, shorter replies. On a short-answer task learning itself trips them (recipe 4: the one token that changes in
+# "The answer is N." is N; the policy grows sure of a digit the reference gave < 0.3%, k3 > 5 there, and one number
+# token in seven puts the 99th percentile on it; the entropy falls as guessing turns into knowing).
+VOUCHABLE = ("kl_mean", "kl_max", "entropy", "length_collapse")
+VOUCH_P = upper_tail(GOLD_ALARM)  # the gold bands' own alarm level, one-sided p 0.00135
+
+
+def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
+    """(step, why) when the run's last held-out evaluation shows it got better at the task, not worse: gold accuracy
+    above the first evaluation's on the same problems with exact one-sided McNemar p <= :data:`VOUCH_P`, its
+    answers still varied (``eval_distinct`` ok at that evaluation) and still alike the reference's in form
+    (``eval_shortcut`` ok, its overlap measured). Alarms of :data:`VOUCHABLE` bands up to that step then count
+    as notes, not as the verdict — the mirror of a gold fall overruling the proxy (a gold band is the verdict
+    whenever it alarms). None when any of it is not measured: the bands stand."""
+    gold = next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
+                None)
+    gain = gold.gold.gain_since_first() if gold is not None else None
+    if gain is None:
+        return None
+    gained, lost, p = gain
+    first, last = gold.gold.evaluations[0], gold.gold.evaluations[-1]
+    if p > VOUCH_P or first.accuracy >= last.accuracy:
+        return None
+    states = {}
+    for name in ("eval_distinct", "eval_shortcut"):
+        tracker = monitor.trackers.get(name)
+        point = next((q for q in reversed(tracker.trace) if q.step == last.step), None) if tracker else None
+        if point is None or point.state != "ok" or tracker.first_alert is not None:
+            return None
+        states[name] = point
+    return last.step, (
+        f"held-out gold accuracy {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at "
+        f"step {last.step} (paired: {gained} wrong -> right, {lost} right -> wrong, p = {p:.2g}), the answers still "
+        f"varied (eval/distinct_responses {states['eval_distinct'].measure:.2f}x the first evaluation) and alike the "
+        f"reference's (eval/reference_overlap {states['eval_shortcut'].value:.2f}): the drift bought the task; "
+        f"read the answers to be sure")
 
 
 def _gold_summary(monitor: HealthMonitor) -> tuple[list[dict], list[str]]:

@@ -180,6 +180,20 @@ class GoldHistory:
         self._correct.append(bits(correct) if correct is not None else None)
         return point
 
+    def gain_since_first(self) -> tuple[int, int, float] | None:
+        """The last evaluation against the first, paired on the same problems: (gained, lost, p), where p is the
+        exact one-sided McNemar p of a gain (:func:`mcnemar_one_sided` with the two counts' roles swapped: the
+        chance of at least ``gained`` of the ``gained + lost`` discordant problems going up under H0). None
+        with fewer than two evaluations or without per-problem results for both."""
+        if len(self.evaluations) < 2:
+            return None
+        first, last = self.evaluations[0], self.evaluations[-1]
+        a, b = self._correct[0], self._correct[-1]
+        if a is None or b is None or first.n != last.n:
+            return None
+        gained, lost = (b & ~a).bit_count(), (a & ~b).bit_count()
+        return gained, lost, mcnemar_one_sided(gained, lost)
+
     def _compare(self, point: GoldPoint, correct: str | None) -> None:
         earlier = self.evaluations
         i_best = max(range(len(earlier)), key=lambda i: (earlier[i].accuracy, i))  # ties: the later one

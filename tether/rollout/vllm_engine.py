@@ -143,6 +143,8 @@ class VLLMEngine:
                 self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
                                generation_config="vllm", logprobs_mode="processed_logprobs", load_format="dummy",
                                max_model_len=max_model_len, enforce_eager=not self.on_gpu,
+                               # on CPU a whole prompt must fit one scheduler step (see prefill_chunks)
+                               **({} if self.on_gpu else {"max_num_batched_tokens": max(4096, max_model_len)}),
                                kv_cache_memory_bytes=kv_bytes, tensor_parallel_size=tp,
                                distributed_executor_backend="external_launcher" if distributed else None,
                                **memory, **engine_placement(device, distributed))
@@ -242,8 +244,12 @@ class VLLMEngine:
                                  max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop_token_ids=self.eos,
                                  ignore_eos=False, seed=seed, logprobs=0,
                                  detokenize=False) for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [out.outputs[0] for out in outputs]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        chunks = [slice(None)]
+        if not self.on_gpu and not greedy:  # seeded CPU generators cannot rewind after a chunked prefill
+            scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+            chunks = prefill_chunks([len(p) for p in prompts], scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        return [out.outputs[0] for c in chunks for out in self.llm.generate(requests[c], params[c], use_tqdm=False)]
 
     def close(self) -> None:
         """Release vLLM's process groups while the run's still exists: vLLM's own shutdown at exit destroys every
@@ -258,6 +264,24 @@ class VLLMEngine:
             if parallel_state._WORLD is not None:
                 parallel_state._WORLD.destroy()
                 parallel_state._WORLD = None
+
+
+def prefill_chunks(lengths: list[int], budget: int, max_seqs: int) -> list[slice]:
+    """Consecutive runs of requests, in order, whose prompts all fit one scheduler step: at most ``max_seqs``
+    requests and ``budget`` prompt tokens each (a prompt longer than the budget alone). vLLM's CPU worker crashes
+    ("CPU Generator does not use offset") when a request with its own seed has its prefill split across steps: the
+    sampled token of a partial prefill is discarded by rewinding the request's generator, which only a CUDA
+    generator can do. A request whose whole prompt is scheduled in one step is never rewound, and once every prompt
+    of a call is in, the steps after it are decodes, one token per request."""
+    chunks, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (tokens + n > budget or i - start >= max_seqs):
+            chunks.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        chunks.append(slice(start, len(lengths)))
+    return chunks
 
 
 def sampled_tensors(sampled: list, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
