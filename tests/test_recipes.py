@@ -237,3 +237,23 @@ def test_recipe3_smoke_ppo_step_on_smollm2_with_the_minilm_reward(smoke_rm, tmp_
     assert 1 <= row["response/length_max"] <= 8
     saved = (out / "config.yaml").read_text()
     assert "smollm2-135m-instruct" in saved and str(smoke_rm) in saved
+
+
+def test_recipes_4_and_5_differ_only_in_their_reward():
+    """Recipe 5 (#38 path b) is recipe 4 with a reward model trained on the policy's own samples in place of the
+    task's check (and no dynamic sampling: a reward model's scores are never flat); its pairs are sampled from the
+    same training split, prompt and reply format, with the held-out problems left out."""
+    from tether.sft.sample import SampleConfig
+
+    checker, learned = load_example("recipe4-grpo-chain-sum.yaml"), load_example("recipe5-rm-chain-sum.yaml")
+    assert checker.reward.sources == ["tether.tasks:reasoning_gym_score"] and checker.difficulty.filter_groups
+    assert learned.reward.sources == ["runs/rm-chain-sum"] and learned.reward.gold == checker.reward.gold == "auto"
+    assert not learned.difficulty.filter_groups and not learned.difficulty.curriculum
+    for cfg in (checker, learned):
+        cfg.output_dir, cfg.reward.sources, cfg.difficulty = "", [], type(cfg.difficulty)()
+    assert checker == learned
+    pairs = resolve_config(SampleConfig, argparse.Namespace(), str(EXAMPLES / "recipe5-sample-pairs.yaml"))
+    assert pairs.accept.keep == "pairs" and pairs.model.policy == learned.model.policy
+    for key in ("prompts", "task_train", "task_eval", "task_seed", "system_prompt", "chat_template"):
+        assert getattr(pairs.data, key) == getattr(learned.data, key), key
+    assert pairs.generation.max_new_tokens == learned.generation.max_new_tokens
