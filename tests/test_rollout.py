@@ -289,3 +289,47 @@ def test_no_entropy_graph_without_an_entropy_bonus(tmp_path):
     for coef in (0.0, 0.01):  # the same gradients either way, and the bonus changes them
         torch.testing.assert_close(grads[coef, "own_head"], grads[coef, "logits"], atol=1e-6, rtol=1e-4)
     assert not torch.allclose(grads[0.01, "own_head"], grads[0.0, "own_head"])
+
+
+def test_output_embedding_logprobs_equal_the_logits_path_at_a_49k_vocabulary(tmp_path):
+    """#39 item 2 at SmolLM2's vocabulary (49,152): log-probs and entropy through the output embedding, at the valid
+    response tokens only and in chunks (here 7 tokens, so chunks cross rows), equal log_softmax of the model's full
+    (B, T, V) logits / T gathered at the response tokens — computed here by hand from the logits — and the gradients
+    of a loss on them agree; min_new_tokens' EOS ban applies on both paths."""
+    from tether.demo.task import build_policy, build_tokenizer
+    from tether.ppo.forward import ForwardOptions
+
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    model = build_policy(tokenizer, seed=0, n_layer=1, n_embd=32, n_head=2)
+    model.resize_token_embeddings(49_152)
+    B, P, T, temperature = 3, 5, 6, 0.7
+    g = torch.Generator().manual_seed(0)
+    response = torch.randint(3, 49_152, (B, T), generator=g)
+    response_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4])
+    eos = (tokenizer.eos_token_id,)
+    rollout = Rollout(query=torch.randint(3, 49_152, (B, P), generator=g), query_mask=torch.ones(B, P, dtype=torch.long),
+                      response=response, response_mask=response_mask, ended_with_eos=torch.zeros(B, dtype=torch.bool),
+                      eos_ids=eos, min_new_tokens=2)
+    input_ids = torch.cat([rollout.query, response], 1)
+    logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits[:, P - 1:-1].float()
+    logits = logits / temperature
+    logits[:, :2, list(eos)] = float("-inf")  # min_new_tokens = 2: EOS cannot be the first two tokens
+    by_hand = torch.log_softmax(logits.double(), -1)  # float64: the reference's own rounding out of the way
+    want_lp = by_hand.gather(-1, response[..., None])[..., 0]
+    want_ent = -(by_hand.exp() * by_hand.nan_to_num(neginf=0.0)).sum(-1)
+    mask = response_mask.bool()
+    grads = []
+    for options in (ForwardOptions(), ForwardOptions(own_head=True, chunk_tokens=7)):
+        model.zero_grad()
+        lp, ent, _ = forward_response(model, rollout, temperature, options=options)
+        torch.testing.assert_close(lp[mask].double(), want_lp[mask].detach(), atol=2e-5, rtol=1e-5)
+        # an fp32 sum over 49,152 terms: relative rounding ~ sqrt(V)·2^-24 = 1.3e-5 (entropy ~ log V = 10.8)
+        torch.testing.assert_close(ent[mask].double(), want_ent[mask].detach(), atol=1e-5, rtol=5e-5)
+        if options.own_head:  # nothing computed past a row's end
+            assert not lp[~mask].any()
+        (lp[mask].sum() + 0.1 * ent[mask].sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    # the same gradient up to fp32 rounding over the vocabulary (measured: 3.7e-5 of its norm, 4.7e-5 of its largest
+    # entry); a wrong token, position or temperature moves it by O(1)
+    diff = grads[1] - grads[0]
+    assert diff.norm() < 1e-4 * grads[0].norm() and diff.abs().max() < 1e-4 * grads[0].abs().max()
