@@ -626,6 +626,33 @@ def test_a_significant_held_out_gain_with_varied_on_task_answers_overrules_the_k
     assert diagnose(rows, run_config=finished).failure_mode == "ratio out of control"
 
 
+def test_groups_flat_because_solved_are_the_training_prompts_learned_when_held_out_problems_confirm_it():
+    """Recipe 4 past step 15: most groups of its ~100 training problems are solved K/K, so the share of flat groups
+    is in alarm — with a held-out gain (+20 / −0) that is the training set learned, a note naming harder prompts,
+    not the verdict. Flat because unsolved (the task out of reach), or solved without a confirmed gain (+6 / −1):
+    the alarm stands."""
+    finished = {"steps": N}
+
+    def flat_from_30(rows, solved, unsolved):
+        for r in rows:
+            flat = 0.9 if r["step"] >= 30 else 0.2
+            r.update({"group/no_spread_fraction": flat, "group/solved_fraction": solved * flat / 0.9,
+                      "group/unsolved_fraction": unsolved * flat / 0.9})
+        return rows
+
+    d = diagnose(flat_from_30(short_answer_rows(20, 0), 0.85, 0.05), run_config=finished)
+    assert d.healthy, d.summary()
+    note = next(n for n in d.notes if n.startswith("no signal in the groups not counted"))
+    assert "the flat groups are solved ones" in note and "harder prompts" in note and "p = 9.5e-07" in note
+    for rows in (flat_from_30(short_answer_rows(20, 0), 0.05, 0.85), flat_from_30(short_answer_rows(6, 1), 0.85, 0.05)):
+        d = diagnose(rows, run_config=finished)
+        assert not d.healthy
+        assert not any(n.startswith("no signal in the groups not counted") for n in d.notes)
+    d = diagnose(flat_from_30(short_answer_rows(20, 0), 0.05, 0.85), run_config=finished)
+    assert (d.healthy, d.failure_mode) == (False, "no signal in the groups")
+    assert d.prescriptions[0]["action"].startswith("no sample of most groups is rewarded")
+
+
 def test_an_alarm_after_the_last_evaluation_is_not_vouched_for():
     rows = [r for r in short_answer_rows(20, 0) if r["step"] <= 50]  # last evaluation at step 50 ...
     rows += [dict(r, **{"policy/ratio_std": 0.04}) for r in short_answer_rows(20, 0)[50:]]

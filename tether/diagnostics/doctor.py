@@ -26,7 +26,7 @@ import yaml
 
 from tether.config import config_from_dict
 from tether.diagnostics.gold import describe, upper_tail, with_problem_results
-from tether.diagnostics.groups import flat_groups_prescriptions
+from tether.diagnostics.groups import flat_groups_kind, flat_groups_prescriptions
 from tether.diagnostics.health import (BANDS, GOLD_ALARM, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, Alert,
                                        HealthConfig, HealthMonitor)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
@@ -194,10 +194,11 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     vouch = gold_vouches(monitor)
     if vouch is not None:  # the outcome measured on held-out problems contradicts what these bands predict
         step, why = vouch
-        overruled = [a for a in alerts if a.band.name in VOUCHABLE and a.alarm_step <= step]
+        overruled = [a for a in alerts if a.alarm_step <= step and (a.band.name in VOUCHABLE or (
+            a.band.name == "no_spread" and flat_groups_kind(rows, a.onset_step) == "solved"))]
         alerts = [a for a in alerts if a not in overruled]
-        notes = [f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): {why}"
-                 for a in overruled] + notes
+        notes = [f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): "
+                 f"{LEARNED if a.band.name == 'no_spread' else ''}{why}" for a in overruled] + notes
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes,
                   layout=rollout_layout(run_config or {}))
@@ -218,6 +219,10 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
 # "The answer is N." is N; the policy grows sure of a digit the reference gave < 0.3%, k3 > 5 there, and one number
 # token in seven puts the 99th percentile on it; the entropy falls as guessing turns into knowing).
 VOUCHABLE = ("kl_mean", "kl_max", "entropy", "length_collapse")
+# Groups flat because every sample is rewarded are the training prompts learned, not a failure, when the held-out
+# problems confirm it; flat because none is rewarded stays an alarm (the task is out of reach).
+LEARNED = ("the flat groups are solved ones (every sample rewarded: the training prompts are learned; harder "
+           "prompts to go on), and ")
 VOUCH_P = upper_tail(GOLD_ALARM)  # the gold bands' own alarm level, one-sided p 0.00135
 
 
@@ -225,8 +230,8 @@ def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
     """(step, why) when the run's last held-out evaluation shows it got better at the task, not worse: gold accuracy
     above the first evaluation's on the same problems with exact one-sided McNemar p <= :data:`VOUCH_P`, its
     answers still varied (``eval_distinct`` ok at that evaluation) and still alike the reference's in form
-    (``eval_shortcut`` ok, its overlap measured). Alarms of :data:`VOUCHABLE` bands up to that step then count
-    as notes, not as the verdict — the mirror of a gold fall overruling the proxy (a gold band is the verdict
+    (``eval_shortcut`` ok, its overlap measured). Alarms of :data:`VOUCHABLE` bands up to that step (and a "no
+    signal in the groups" alarm whose flat groups are solved ones) then count as notes, not as the verdict — the mirror of a gold fall overruling the proxy (a gold band is the verdict
     whenever it alarms). None when any of it is not measured: the bands stand."""
     gold = next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
                 None)
