@@ -69,6 +69,20 @@ def test_preference_pairs_by_hand():
         (" a ", "b"), ("d", "e")]
 
 
+def test_length_matched_pairs():
+    """--pair-length-gap N: a pair only where the two stripped replies differ by at most N characters — "The answer
+    is 7." against "The answer is 12." (1 apart) is kept, against "I think it is 7, because seven." (15) is not."""
+    chunk = [{"prompt": "3 + 4 ="}]
+    responses = ["The answer is 7.", " The answer is 12. ", "I think it is 9, because nine.", "The answer is -1."]
+    cfg = SampleConfig()
+    cfg.accept.keep, cfg.accept.pair_length_gap = "pairs", 1
+    rows = preference_pairs(chunk, responses, [1.0, 0.0, 0.0, 0.0], [True] * 4, 4, cfg, counts0())
+    assert [(r["chosen"], r["rejected"]) for r in rows] == [("The answer is 7.", " The answer is 12. "),
+                                                            ("The answer is 7.", "The answer is -1.")]
+    cfg.accept.pair_length_gap = 0
+    assert len(preference_pairs(chunk, responses, [1.0, 0.0, 0.0, 0.0], [True] * 4, 4, cfg, counts0())) == 3
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("sample")

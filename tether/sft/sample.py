@@ -91,6 +91,9 @@ class SampleAccept:
                        flag="--keep")
     max_per_prompt: int = option(0, "--keep all|pairs: at most this many rows per prompt (0 = every one)", low=0,
                                  flag="--max-per-prompt")
+    pair_length_gap: int = option(0, "--keep pairs: only pairs whose two replies differ in length by at most this "
+                                  "many characters (0 = any): length-matched pairs, so that a reward model cannot learn "
+                                  "'the shorter reply wins' in place of the task", low=0, flag="--pair-length-gap")
 
 
 @dataclass
@@ -189,7 +192,8 @@ def preference_pairs(chunk: list[dict], responses: list[str], scores: list[float
     "rejected", <the row's columns>, "chosen_score", "rejected_score"}``, the policy's own samples labelled by the
     rule (the classic pipeline's reward-model data). A text both accepted and rejected (a cut reply equal to an
     ended one) cannot be told apart and gives no pair; a NaN score or an empty reply is neither; prompts whose samples all passed or
-    all failed give none. Up to ``--max-per-prompt`` pairs a prompt, the best chosen and the worst rejected first."""
+    all failed give none. Up to ``--max-per-prompt`` pairs a prompt, the best chosen and the worst rejected first;
+    with ``--pair-length-gap N`` only pairs whose stripped texts differ by at most N characters (length-matched)."""
     a = cfg.accept
     out = []
     for i, row in enumerate(chunk):
@@ -205,7 +209,8 @@ def preference_pairs(chunk: list[dict], responses: list[str], scores: list[float
             if better:
                 side[key] = (scores[j], responses[j])
         pairs = [(c, r) for c in sorted(chosen, key=lambda t: -chosen[t][0])
-                 for r in sorted(rejected, key=lambda t: rejected[t][0]) if c != r]
+                 for r in sorted(rejected, key=lambda t: rejected[t][0])
+                 if c != r and (not a.pair_length_gap or abs(len(c) - len(r)) <= a.pair_length_gap)]
         columns = {key: v for key, v in row.items() if key != "prompt"}
         out += [{**columns, "prompt": row["prompt"], "chosen": chosen[c][1], "rejected": rejected[r][1],
                  "chosen_score": chosen[c][0], "rejected_score": rejected[r][0]}
