@@ -100,14 +100,16 @@ def test_kl_explosion():
 
 def test_sampler_gap_is_the_cause_before_the_ratio_it_breaks():
     """An engine whose samples stop matching what PPO scores (vLLM after a missed sync): its log-prob gap leaves
-    the band at step 12, the ratio spread follows at 14; the doctor names the gap, not the ratio."""
+    the band at step 12, the ratio spread follows at 14; the doctor names the gap, not the ratio, as a sampler
+    mismatch with the sampler's cures (the correction, the weight sync, fp32), not smaller steps."""
     rows = healthy_rows()
     for r in rows:
         r["rollout/logprob_gap_mean"] = 2e-7 if r["step"] < 12 else 0.3
         if r["step"] >= 14:
             r["policy/ratio_std"] = 0.6
     d = diagnose(rows)
-    assert (d.failure_mode, d.cause_metric, d.first_step) == ("ratio out of control", "rollout/logprob_gap_mean", 12)
+    assert (d.failure_mode, d.cause_metric, d.first_step) == ("sampler mismatch", "rollout/logprob_gap_mean", 12)
+    assert [p["key"] for p in d.prescriptions] == ["correction.mode", "correction.mode", None, "model.dtype"]
     assert diagnose(healthy_rows()).unchecked == []  # a transformers run has no gap and is not short of a check
 
 

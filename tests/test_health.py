@@ -43,7 +43,7 @@ def test_default_table_is_the_reference_d1():
     assert got["length_surge"][3:] == (2.0, "reward hacking")
     assert got["length_collapse"][2:] == (0.5, None, "mode collapse")
     assert got["gold_drop"][0] == "eval/accuracy"
-    assert got["sampler_gap"] == ("rollout/logprob_gap_mean", (None, 0.01), None, 0.05, "ratio out of control")
+    assert got["sampler_gap"] == ("rollout/logprob_gap_mean", (None, 0.01), None, 0.05, "sampler mismatch")
     assert got["rollout_mismatch"] == ("rollout/mismatch_kl", (None, 0.002), None, 0.02, "sampler mismatch")
     assert all(b.meaning for b in BANDS)
 

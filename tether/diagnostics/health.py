@@ -127,7 +127,9 @@ BANDS: tuple[Band, ...] = (
          "PPO scores (its precision or kernels, a missed weight sync, a stale prefix cache); uncorrected "
          "(--rollout-correction none) the policy gradient is biased by it", reported_by_some_runs=True,
          only_if=("rollout/staleness", None, 0)),
-    Band("sampler_gap", "rollout/logprob_gap_mean", "value", (None, 0.01), None, 0.05, RATIO,
+    # The gap is the same fault as the mismatch KL seen per token, not an epoch loop gone off-policy: its cures are
+    # the sampler's (the correction, the sync, the engine's precision), not smaller steps.
+    Band("sampler_gap", "rollout/logprob_gap_mean", "value", (None, 0.01), None, 0.05, SAMPLER_MISMATCH,
          "mean |log π_sampler − log π_old| per response token: the rollout engine samples another distribution "
          "than the one PPO scores (a missed weight sync, a sampling option the engine applied, low precision)",
          reported_by_some_runs=True, only_if=("rollout/staleness", None, 0)),
