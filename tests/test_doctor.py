@@ -617,6 +617,7 @@ def test_a_significant_held_out_gain_with_varied_on_task_answers_overrules_the_k
     assert "20 wrong -> right, 0 right -> wrong, p = 9.5e-07" in d.notes[0]
     assert "38% at step 5 -> 48% at step 60" in d.notes[0]
     assert "not counted" in format_diagnosis(d)
+    assert format_diagnosis(d).startswith("HEALTHY: no alarm stands in 60 steps (2 answered by the held-out")
     for rows in (short_answer_rows(6, 1), short_answer_rows(20, 0, distinct=0.2),
                  short_answer_rows(20, 0, overlap=None), short_answer_rows(20, 0, overlap=0.05)):
         d = diagnose(rows, run_config=finished)

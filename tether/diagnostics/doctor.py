@@ -344,7 +344,10 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
     """The doctor's verdict as plain text (what `tether doctor` prints)."""
     head = f"{run_dir}: " if run_dir else ""
     if d.healthy:
-        lines = [f"{head}HEALTHY: no band reached its alarm in {d.n_steps} steps"]
+        vouched = sum(" not counted (" in n for n in d.notes)
+        lines = [f"{head}HEALTHY: no band reached its alarm in {d.n_steps} steps" if not vouched else
+                 f"{head}HEALTHY: no alarm stands in {d.n_steps} steps ({vouched} answered by the held-out "
+                 f"evaluation, below)"]
     else:
         e = d.evidence
         unit = "" if e["measure"] == "value" else f" ({e['measure']} measure)"
