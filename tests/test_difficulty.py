@@ -62,6 +62,24 @@ def test_the_bound_reached_trains_on_what_it_has_and_says_so(files, tmp_path):
     assert metrics["ppo/updates"] == 0 and metrics["health/dropped_rows"] == 0  # filler rows are not "dropped"
     notes = metrics["health/notes"]
     assert len(notes) == 1 and "4 of 4 groups with spread missing after 2 extra rounds" in notes[0]
+    # nothing kept, nothing measured over kept rows: no score, KL or entropy of 0 (recipe 4's last steps, every
+    # group solved, logged objective/scores 0.0 and policy/entropy 0.0), and the KL controller learns nothing
+    for key in ("objective/scores", "objective/kl", "objective/kl_p99", "policy/entropy"):
+        assert key not in metrics, key
+    assert metrics["objective/kl_coef"] == cfg.kl.coef
+
+
+def test_a_step_that_kept_nothing_leaves_the_adaptive_kl_controller_alone(files, tmp_path):
+    cfg = _cfg(tmp_path, files, reward="difficulty_rules:always_flat", difficulty__max_rounds=0,
+               kl__controller="adaptive", kl__target=0.1)
+    run = setup(cfg)
+    beta = run.optim.kl_controller.value
+    for step in (1, 2, 3):
+        assert ppo_step(run, cfg, step)["filter/groups_kept"] == 0
+    assert run.optim.kl_controller.value == beta  # an adaptive controller fed KL 0 would have lowered it
+    cfg.steps, cfg.output_dir = 2, str(tmp_path / "run")
+    rows = [json.loads(line) for line in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["filter/groups_kept"] for r in rows] == [0, 0] and not any("objective/scores" in r for r in rows)
 
 
 def test_short_batch_keeps_its_shape_and_weighs_only_the_groups_with_spread(files, tmp_path):

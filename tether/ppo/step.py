@@ -126,8 +126,9 @@ def ppo_step(run, cfg, step: int) -> dict:
                                                                             response_mask))  # B19
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
+    any_kept = bool(p.global_sum(valid.sum()) > 0)
     with timer("train"), torch.enable_grad():
-        if p.global_sum(valid.sum()) > 0:
+        if any_kept:
             train_stats, epochs_run = ppo_epochs(run, cfg, experience, step)
         else:  # every row dropped: no update at all (an optimizer step on zero gradients still moves Adam)
             train_stats, epochs_run = {"health/skipped_updates": 0, "ppo/updates": 0}, 0
@@ -137,7 +138,7 @@ def ppo_step(run, cfg, step: int) -> dict:
     # and every critic warm-up step) the KL is exactly 0 and says nothing about β.
     kl_mean = global_masked_mean(p, kl, response_mask)
     beta_used = o.kl_controller.value
-    if step > cfg.critic.warmup_steps + 1:
+    if step > cfg.critic.warmup_steps + 1 and any_kept:  # a step that kept no row measured no KL (not a KL of 0)
         o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
     metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run)
@@ -182,19 +183,25 @@ def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_ol
 def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience, entropy: torch.Tensor,
                  kl_mean: float, beta_used: float, epochs_run: int) -> dict:
     """The step's metrics (B12, C2, C6) over all processes, from the batch as it was sampled (``batch``:
-    :class:`~tether.ppo.draw.StepBatch`; the group metrics of every group drawn) and the experience."""
+    :class:`~tether.ppo.draw.StepBatch`; the group metrics of every group drawn) and the experience. A step that
+    kept no row (every row non-finite, or dynamic sampling short of every group) has no mean over kept rows or
+    tokens: those keys are left out, not written as 0 (a 0 would read as a collapsed entropy, a KL of 0, a score
+    of 0 where the drawn groups were solved)."""
     p, mask, rollout, scores_raw = run.processes, e.response_mask, batch.rollout, batch.rewards_raw.total
     curriculum = run.data.prompts.curriculum
     drawn = batch.drawn_scores
-    return {
+    over_kept = {
         **objective_metrics(p, e.scores, scores_raw, e.rewards, e.kl, mask, e.valid, kl_mean, beta_used),
         "policy/entropy": global_masked_mean(p, entropy, mask),
         **(value_metrics(p, e.values_old, e.returns, mask) if e.values_old is not None else {}),
+        **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
+        **correction_metrics(p, cfg, rollout, e.logprobs_old, mask),
+    } if p.global_sum(e.valid.sum()) > 0 else {"objective/kl_coef": beta_used}
+    return {
+        **over_kept,
         **group_metrics(p, drawn, torch.isfinite(drawn), cfg.samples_per_prompt),
         **(curriculum.summary() if curriculum is not None else {}),
         **response_metrics(p, rollout),
-        **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
-        **correction_metrics(p, cfg, rollout, e.logprobs_old, mask),
         **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps,
                              packed=run.models.forward.packing),

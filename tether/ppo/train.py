@@ -168,8 +168,8 @@ class PPOTrainer:
         note_non_finite(log, step, notes, self.skip_streak, cfg.health.max_skipped_steps)
         self.steps_done, self.last_row = step, row
         self.bar.update(1)
-        self.bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.4f}",
-                             beta=f"{row['objective/kl_coef']:.3g}")
+        self.bar.set_postfix(score=_shown(row.get("objective/scores"), ".3f"), kl=_shown(row.get("objective/kl"), ".4f"),
+                             beta=f"{row['objective/kl_coef']:.3g}")  # no score or KL: the step kept no row
         # The main process decides (only it has the evaluation metrics the gold band reads), every process follows.
         alarm = run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback))
         stop = run.processes.broadcast(self.callbacks.stop_reason)
@@ -295,3 +295,7 @@ def check_ranks_in_sync(run, log: RunLog, run_dir: Path) -> bool:
     if not in_sync:
         log.print("[ddp] warning: ranks hold different weights")
     return in_sync
+
+
+def _shown(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
