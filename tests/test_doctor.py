@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 from statistics import NormalDist
@@ -431,6 +432,21 @@ def test_cli_health_settings_from_run_config_and_flags(tmp_path, capsys):
     assert main(["doctor", str(run), "--band", "ratio_std=:0.1::0.6"]) == 0
     assert main(["doctor", str(run), "--band", "nonsense=1:2:3:4"]) == 2
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_cli_reader_gone_is_not_a_traceback(tmp_path):
+    """`tether doctor RUN | head -1`: the reader closes the pipe; the doctor stops quietly with the shell's SIGPIPE
+    status (141), no BrokenPipeError traceback (neither from the print nor from the interpreter's exit flush)."""
+    import subprocess
+    import sys
+
+    run = write_run(tmp_path, healthy_rows())
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte
+    proc = subprocess.run([sys.executable, "-m", "tether", "doctor", str(run)], stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=300)
+    os.close(write)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_cli_unreadable_input_exit_2(tmp_path, capsys):

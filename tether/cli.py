@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tether {args.command}: interrupted", file=sys.stderr)
         code = 130
+    except BrokenPipeError:  # `tether doctor RUN | head`: the reader left; no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141  # as a shell reports a pipe writer ended by SIGPIPE
     if args.command in ("ppo", "sft") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # a process of `accelerate launch`: its gloo threads must not meet the interpreter's teardown (#32)
         from tether.ppo.processes import leave_without_teardown
