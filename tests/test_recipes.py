@@ -254,6 +254,7 @@ def test_recipes_4_and_5_differ_only_in_their_reward():
     assert checker == learned
     pairs = resolve_config(SampleConfig, argparse.Namespace(), str(EXAMPLES / "recipe5-sample-pairs.yaml"))
     assert pairs.accept.keep == "pairs" and pairs.model.policy == learned.model.policy
+    assert pairs.accept.pair_length_gap > 0 and pairs.model.dtype == learned.model.dtype  # length-matched, as run
     for key in ("prompts", "task_train", "task_eval", "task_seed", "system_prompt", "chat_template"):
         assert getattr(pairs.data, key) == getattr(learned.data, key), key
     assert pairs.generation.max_new_tokens == learned.generation.max_new_tokens
