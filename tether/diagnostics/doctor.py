@@ -231,8 +231,9 @@ def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
     above the first evaluation's on the same problems with exact one-sided McNemar p <= :data:`VOUCH_P`, its
     answers still varied (``eval_distinct`` ok at that evaluation) and still alike the reference's in form
     (``eval_shortcut`` ok, its overlap measured). Alarms of :data:`VOUCHABLE` bands up to that step (and a "no
-    signal in the groups" alarm whose flat groups are solved ones) then count as notes, not as the verdict — the mirror of a gold fall overruling the proxy (a gold band is the verdict
-    whenever it alarms). None when any of it is not measured: the bands stand."""
+    signal in the groups" alarm whose flat groups are solved ones) then count as notes, not as the verdict — the
+    mirror of a gold fall overruling the proxy (a gold band is the verdict whenever it alarms). None when any of it
+    is not measured: the bands stand."""
     gold = next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
                 None)
     gain = gold.gold.gain_since_first() if gold is not None else None

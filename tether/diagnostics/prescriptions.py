@@ -132,6 +132,7 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
         Rx("check the weight sync: perf/seconds_weight_sync > 0 at every step (an engine that kept old weights, or "
            "served a stale prefix cache, samples the previous policy)", None),
         Rx("sample and score in fp32 if the run can afford it (bf16 engine kernels differ from the trainer's bf16 "
-           "autocast: vLLM on CPU 0.04-0.15 nats a token on SmolLM2; fp32 ~1e-6)", "model.dtype", lambda c: "fp32", _is("fp32")),
+           "autocast: vLLM on CPU 0.04-0.15 nats a token on SmolLM2; fp32 ~1e-6)", "model.dtype",
+           lambda c: "fp32", _is("fp32")),
     ],
 }

@@ -141,7 +141,8 @@ def ppo_step(run, cfg, step: int) -> dict:
     if step > cfg.critic.warmup_steps + 1 and any_kept:  # a step that kept no row measured no KL (not a KL of 0)
         o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
-    metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run)
+    metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run,
+                           any_kept)
     metrics["health/dropped_rows"] = p.global_sum((~finite).sum().float())
     if d.ahead is not None:
         metrics["rollout/staleness"] = step - 1 - batch.sampled_at
@@ -181,12 +182,12 @@ def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_ol
 
 
 def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience, entropy: torch.Tensor,
-                 kl_mean: float, beta_used: float, epochs_run: int) -> dict:
+                 kl_mean: float, beta_used: float, epochs_run: int, any_kept: bool) -> dict:
     """The step's metrics (B12, C2, C6) over all processes, from the batch as it was sampled (``batch``:
     :class:`~tether.ppo.draw.StepBatch`; the group metrics of every group drawn) and the experience. A step that
-    kept no row (every row non-finite, or dynamic sampling short of every group) has no mean over kept rows or
-    tokens: those keys are left out, not written as 0 (a 0 would read as a collapsed entropy, a KL of 0, a score
-    of 0 where the drawn groups were solved)."""
+    kept no row (``any_kept`` False: every row non-finite, or dynamic sampling short of every group) has no mean
+    over kept rows or tokens: those keys are left out, not written as 0 (a 0 would read as a collapsed entropy, a
+    KL of 0, a score of 0 where the drawn groups were solved)."""
     p, mask, rollout, scores_raw = run.processes, e.response_mask, batch.rollout, batch.rewards_raw.total
     curriculum = run.data.prompts.curriculum
     drawn = batch.drawn_scores
@@ -196,7 +197,7 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience, e
         **(value_metrics(p, e.values_old, e.returns, mask) if e.values_old is not None else {}),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
         **correction_metrics(p, cfg, rollout, e.logprobs_old, mask),
-    } if p.global_sum(e.valid.sum()) > 0 else {"objective/kl_coef": beta_used}
+    } if any_kept else {"objective/kl_coef": beta_used}
     return {
         **over_kept,
         **group_metrics(p, drawn, torch.isfinite(drawn), cfg.samples_per_prompt),

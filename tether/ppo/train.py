@@ -168,8 +168,9 @@ class PPOTrainer:
         note_non_finite(log, step, notes, self.skip_streak, cfg.health.max_skipped_steps)
         self.steps_done, self.last_row = step, row
         self.bar.update(1)
-        self.bar.set_postfix(score=_shown(row.get("objective/scores"), ".3f"), kl=_shown(row.get("objective/kl"), ".4f"),
-                             beta=f"{row['objective/kl_coef']:.3g}")  # no score or KL: the step kept no row
+        # no score or KL: the step kept no row
+        self.bar.set_postfix(score=_shown(row.get("objective/scores"), ".3f"),
+                             kl=_shown(row.get("objective/kl"), ".4f"), beta=f"{row['objective/kl_coef']:.3g}")
         # The main process decides (only it has the evaluation metrics the gold band reads), every process follows.
         alarm = run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback))
         stop = run.processes.broadcast(self.callbacks.stop_reason)

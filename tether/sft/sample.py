@@ -92,8 +92,9 @@ class SampleAccept:
     max_per_prompt: int = option(0, "--keep all|pairs: at most this many rows per prompt (0 = every one)", low=0,
                                  flag="--max-per-prompt")
     pair_length_gap: int = option(0, "--keep pairs: only pairs whose two replies differ in length by at most this "
-                                  "many characters (0 = any): length-matched pairs, so that a reward model cannot learn "
-                                  "'the shorter reply wins' in place of the task", low=0, flag="--pair-length-gap")
+                                  "many characters (0 = any): length-matched pairs, so that a reward model cannot "
+                                  "learn 'the shorter reply wins' in place of the task", low=0,
+                                  flag="--pair-length-gap")
 
 
 @dataclass
