@@ -21,7 +21,9 @@ reward. The arms differ only in how the 512 rows are drawn and credited:
 Printed per seed and arm: held-out gold accuracy of the final policy (greedy, the seed's 500 held-out problems,
 Wilson 95% interval), its lift over SFT and McNemar's exact p against SFT on the same problems, mean seconds per
 step (steps 2 on) and their ratio to the seed's GAE run (the arms of a seed run one after the other, so the ratio
-is from neighbouring runs on a machine that may be shared), and the PPO process's peak RSS. The summary gives
+is from neighbouring runs on a machine that may be shared), and the PPO process's peak RSS; where the seed's GAE arm
+ran, each other arm against it on the same problems (the accuracy difference, the problems only one of the two
+solves, McNemar's exact p). The summary gives
 each arm's median lift with its min-max over seeds, the seeds with a significant lift, and the median ratio.
 
 Usage: python bench/group_baselines.py [--seeds 0-4] [--arms gae,grpo,rloo,dr_grpo,reinforce_pp]
@@ -129,8 +131,8 @@ def evaluate_arm(seed_dir: Path, arm: str) -> dict:
     from tether.demo.task import build_tokenizer
 
     out = seed_dir / f"{arm}.eval.json"
-    if out.is_file():
-        return json.loads(out.read_text())
+    if out.is_file() and "correct" in (done := json.loads(out.read_text())):  # older files lack "correct": redone
+        return done
     sft = json.loads((seed_dir / "prepared.json").read_text())["sft"]
     held_out = [json.loads(line) for line in (seed_dir / "prompts_heldout.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(seed_dir / f"ppo_{arm}" / "policy").eval()
@@ -145,7 +147,7 @@ def evaluate_arm(seed_dir: Path, arm: str) -> dict:
               "lift": final["accuracy"] - sft["accuracy"], "p": mcnemar_exact(only_ppo, only_sft),
               "seconds_per_step": statistics.fmean(seconds), "peak_rss_mb": run["peak_rss_mb"],
               "no_spread_mean": statistics.fmean(flat) if flat else None,
-              "kl_end": [r["objective/kl"] for r in rows if "objective/kl" in r][-1]}
+              "kl_end": [r["objective/kl"] for r in rows if "objective/kl" in r][-1], "correct": final["correct"]}
     out.write_text(json.dumps(result), encoding="utf-8")
     return result
 
@@ -176,6 +178,24 @@ def print_tables(root: Path, seeds: list[int], arms: list[str]) -> None:
             else:
                 cells.append("not run")
         print(f"| {seed} | {pct(sft)} | " + " | ".join(cells) + " |")
+    paired = [a for a in arms if a != "gae" and "gae" in results]
+    if paired:  # each arm against the seed's GAE run on the same problems (McNemar, exact)
+        from tether.core.stats import mcnemar_exact
+
+        print("\n| seed | " + " | ".join(f"{a} − gae (points; problems only {a} / only gae; p)" for a in paired) + " |")
+        print("| --- " * (1 + len(paired)) + "|")
+        for seed in sorted(results["gae"]):
+            cells, gae = [], results["gae"][seed]
+            for arm in paired:
+                r = results.get(arm, {}).get(seed)
+                if r is None or "correct" not in r or "correct" not in gae:
+                    cells.append("–")
+                    continue
+                only_arm = sum(a and not g for a, g in zip(r["correct"], gae["correct"]))
+                only_gae = sum(g and not a for a, g in zip(r["correct"], gae["correct"]))
+                cells.append(f"{100 * (r['accuracy'] - gae['accuracy']):+.1f} ({only_arm} / {only_gae}; "
+                             f"{mcnemar_exact(only_arm, only_gae):.2g})")
+            print(f"| {seed} | " + " | ".join(cells) + " |")
     print("\n| arm | seeds | lift over SFT, median [min, max] (points) | lift > 0 with p < 0.05 | "
           "s/step (median) | s/step ÷ GAE's (median over seeds) | peak RSS MB (median) | no-spread groups |")
     print("| --- " * 8 + "|")
