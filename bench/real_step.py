@@ -2,7 +2,8 @@
 tree against another, interleaved in fresh processes, median of the repeats.
 
     python bench/real_step.py --trees OLD_CHECKOUT . --repeats 3 [--steps 3] [--eval-n 180] [--engine vllm]
-                              [--option ppo.packing=true ...] [--json out.json]
+                              [--option KEY=VALUE ...] [--new-option ppo.packing=true] [--profile]
+                              [--json out.json]
 
 Shape (the issue's): GRPO, K = 4 samples × 8 SVAMP prompts a step, 96 new tokens at T = 1, LoRA r 16 on all linear
 layers, 2 epochs × 2 minibatches, k1 KL in the reward, the recipe's system prompt, fp32 unless --dtype; a greedy
@@ -40,7 +41,7 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     out_dir = tempfile.mkdtemp(prefix="tether-realstep-")
-    config = {"output_dir": out_dir, "steps": args.steps, "batch_size": 8, "samples_per_prompt": 4, "seed": 0,
+    config = {"output_dir": out_dir, "steps": args.steps + bool(args.profile), "batch_size": 8, "samples_per_prompt": 4, "seed": 0,
               "progress": False, "save_every_minutes": 0,
               "model": {"policy": "smollm2-135m-instruct", "lora_r": 16, "lora_alpha": 32, "dtype": args.dtype},
               "data": {"prompts": str(SVAMP), "eval_fraction": 0.2, "system_prompt": SYSTEM},
@@ -57,19 +58,59 @@ def child(args) -> None:
     started = time.perf_counter()
     metrics = trainer.evaluate()
     eval_seconds = time.perf_counter() - started
+    profile = {}
+    if args.profile:  # one more step and one more evaluation, under the profiler (slower: shares, not seconds)
+        profile["step"] = profiled(trainer.step)
+        profile["eval"] = profiled(trainer.evaluate)
     steps = rows[1:] or rows
     result = {phase: statistics.median(r.get(f"perf/seconds_{phase}", 0.0) for r in steps) for phase in PHASES}
     result.update({"eval": eval_seconds, "eval_accuracy": metrics.get("eval/accuracy"),
                    "tokens": statistics.median(r["response/length_mean"] for r in steps),
-                   "tether": str(Path(tether.__file__).parent.parent)})
+                   "tether": str(Path(tether.__file__).parent.parent), "profile": profile})
     print("RESULT " + json.dumps(result), flush=True)
+
+
+VOCAB = 49152  # SmolLM2's: a matmul with this dimension is the output embedding (lm-head)
+LORA_R = 16
+
+
+def category(name: str, shapes) -> str:
+    """Which part of the model an op of the profile belongs to, by its name and input shapes."""
+    dims = {d for shape in shapes or [] for d in (shape or [])}
+    if "scaled_dot_product" in name or "flash_attention" in name or "softmax" in name and VOCAB not in dims:
+        return "attention"
+    if VOCAB in dims or "logsumexp" in name or "log_softmax" in name:
+        return "lm-head + log-softmax"
+    if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
+        return "LoRA matmuls" if LORA_R in dims else "other matmuls (base linears)"
+    if name in ("aten::empty", "aten::empty_strided", "aten::zeros", "aten::zero_", "aten::fill_", "aten::copy_",
+                "aten::clone", "aten::contiguous", "aten::cat", "aten::resize_"):
+        return "allocation and copies"
+    return "elementwise and other"
+
+
+def profiled(fn) -> dict:
+    """``fn()`` under torch.profiler: self CPU seconds per :func:`category` of the trainer process's ops, and the
+    wall seconds (vLLM's engine runs in processes of its own and is not in the op times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    out = {"wall": time.perf_counter() - started}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key.startswith("aten::") or "flash_attention" in event.key:
+            key = category(event.key, event.input_shapes)
+            out[key] = out.get(key, 0.0) + event.self_cpu_time_total / 1e6
+    return out
 
 
 def measure(tree: Path, args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(args.steps), "--eval-n",
            str(args.eval_n), "--engine", args.engine, "--dtype", args.dtype, "--threads", str(args.threads)]
-    for option in args.option:
+    cmd += ["--profile"] if args.profile else []
+    for option in args.option + (args.new_option if tree != args.trees[0].resolve() else []):
         cmd += ["--option", option]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -89,6 +130,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--option", action="append", default=[], help="KEY=VALUE for the newer trees' config "
                         "(dotted keys; applied to every tree, so only keys all of them know)")
+    parser.add_argument("--new-option", action="append", default=[], help="KEY=VALUE for every tree but the "
+                        "first (the baseline), e.g. ppo.packing=true, which the tree before #39 does not know")
+    parser.add_argument("--profile", action="store_true", help="after the timed steps and evaluation, one more of "
+                        "each under torch.profiler: self CPU seconds by part (lm-head + log-softmax, attention, LoRA, "
+                        "base matmuls, allocation and copies, the rest)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -99,8 +145,13 @@ def main() -> None:
     for r in range(args.repeats):  # interleaved: each repeat runs every tree once
         for tree in args.trees:
             runs[str(tree)].append(measure(tree.resolve(), args))
-            print(f"repeat {r + 1} {tree}: step {runs[str(tree)][-1]['step']:.1f} s, "
-                  f"eval {runs[str(tree)][-1]['eval']:.1f} s", flush=True)
+            last = runs[str(tree)][-1]
+            print(f"repeat {r + 1} {tree}: step {last['step']:.1f} s, eval {last['eval']:.1f} s", flush=True)
+            for what, parts in last.get("profile", {}).items():
+                ops = sum(v for k, v in parts.items() if k != "wall")
+                print(f"  profile of one {what} ({parts['wall']:.1f} s wall under the profiler, {ops:.1f} s of ops "
+                      "in this process): " + ", ".join(f"{k} {v:.1f} s ({v / ops:.0%})" for k, v in
+                                                      sorted(parts.items(), key=lambda kv: -kv[1]) if k != "wall"))
     medians = {t: {k: statistics.median(x[k] for x in rs) for k in (*PHASES, "eval", "tokens")}
                for t, rs in runs.items()}
     base = str(args.trees[0])
