@@ -60,8 +60,8 @@ def child(args) -> None:
     eval_seconds = time.perf_counter() - started
     profile = {}
     if args.profile:  # one more step and one more evaluation, under the profiler (slower: shares, not seconds)
-        profile["step"] = profiled(trainer.step)
-        profile["eval"] = profiled(trainer.evaluate)
+        profile["step"] = profiled(trainer.step, trainer.run.models.engine)
+        profile["eval"] = timed_parts(trainer.evaluate)
     steps = rows[1:] or rows
     result = {phase: statistics.median(r.get(f"perf/seconds_{phase}", 0.0) for r in steps) for phase in PHASES}
     result.update({"eval": eval_seconds, "eval_accuracy": metrics.get("eval/accuracy"),
@@ -89,20 +89,62 @@ def category(name: str, shapes) -> str:
     return "elementwise and other"
 
 
-def profiled(fn) -> dict:
-    """``fn()`` under torch.profiler: self CPU seconds per :func:`category` of the trainer process's ops, and the
-    wall seconds (vLLM's engine runs in processes of its own and is not in the op times)."""
+def profiled(fn, engine) -> dict:
+    """``fn()`` under torch.profiler: self CPU seconds per :func:`category` of the trainer's ops, and the wall
+    seconds. The engine's generation is left out of the record (vLLM runs in this process: its decode loop would
+    add millions of events, 24 GB and a 10x slowdown); its seconds are the step's perf/seconds_generate."""
     from torch.profiler import ProfilerActivity, profile
 
+    generate = engine.generate
+
+    def unrecorded(*args, **kwargs):
+        prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            prof.toggle_collection_dynamic(True, [ProfilerActivity.CPU])
+
+    engine.generate = unrecorded
     started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn()
+    finally:
+        engine.generate = generate
     out = {"wall": time.perf_counter() - started}
     for event in prof.key_averages(group_by_input_shape=True):
         if event.key.startswith("aten::") or "flash_attention" in event.key:
             key = category(event.key, event.input_shapes)
             out[key] = out.get(key, 0.0) + event.self_cpu_time_total / 1e6
     return out
+
+
+def timed_parts(evaluate) -> dict:
+    """``evaluate()`` with its parts timed by the wall clock: the generation (vLLM runs in this process, and under
+    torch.profiler its decode loop slows ~10x, so it is not profiled), the KL forwards, and the rest."""
+    import tether.ppo.evaluate as ev
+
+    seconds = {"generation": 0.0, "KL forwards (policy + reference)": 0.0}
+    originals = ev.rollout_batch, ev.sequence_kl
+
+    def timed(part, fn):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - started
+        return call
+
+    ev.rollout_batch, ev.sequence_kl = timed("generation", originals[0]), timed(
+        "KL forwards (policy + reference)", originals[1])
+    started = time.perf_counter()
+    try:
+        evaluate()
+    finally:
+        ev.rollout_batch, ev.sequence_kl = originals
+    wall = time.perf_counter() - started
+    return {"wall": wall, **seconds, "the rest (weight sync, rules, metrics)": wall - sum(seconds.values())}
 
 
 def measure(tree: Path, args) -> dict:
@@ -132,9 +174,9 @@ def main() -> None:
                         "(dotted keys; applied to every tree, so only keys all of them know)")
     parser.add_argument("--new-option", action="append", default=[], help="KEY=VALUE for every tree but the "
                         "first (the baseline), e.g. ppo.packing=true, which the tree before #39 does not know")
-    parser.add_argument("--profile", action="store_true", help="after the timed steps and evaluation, one more of "
-                        "each under torch.profiler: self CPU seconds by part (lm-head + log-softmax, attention, LoRA, "
-                        "base matmuls, allocation and copies, the rest)")
+    parser.add_argument("--profile", action="store_true", help="after the timed steps and evaluation, one more step "
+                        "under torch.profiler (self CPU seconds by part: lm-head + log-softmax, attention, LoRA, base "
+                        "matmuls, allocation and copies, the rest) and one more evaluation timed in parts")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -149,8 +191,8 @@ def main() -> None:
             print(f"repeat {r + 1} {tree}: step {last['step']:.1f} s, eval {last['eval']:.1f} s", flush=True)
             for what, parts in last.get("profile", {}).items():
                 ops = sum(v for k, v in parts.items() if k != "wall")
-                print(f"  profile of one {what} ({parts['wall']:.1f} s wall under the profiler, {ops:.1f} s of ops "
-                      "in this process): " + ", ".join(f"{k} {v:.1f} s ({v / ops:.0%})" for k, v in
+                print(f"  {what}: {parts['wall']:.1f} s wall" + (" under the profiler, self CPU seconds of this "
+                      f"process's ops {ops:.1f}" if what == "step" else "") + ": " + ", ".join(f"{k} {v:.1f} s ({v / ops:.0%})" for k, v in
                                                       sorted(parts.items(), key=lambda kv: -kv[1]) if k != "wall"))
     medians = {t: {k: statistics.median(x[k] for x in rs) for k in (*PHASES, "eval", "tokens")}
                for t, rs in runs.items()}
