@@ -122,6 +122,12 @@ def launch_arm(seed_dir: Path, arm: str, cfg) -> None:
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
 
+def discordant(correct_a: list, correct_b: list) -> tuple[int, int]:
+    """The problems only ``a`` solves and those only ``b`` solves (the pairs McNemar's test counts)."""
+    return (sum(a and not b for a, b in zip(correct_a, correct_b)),
+            sum(b and not a for a, b in zip(correct_a, correct_b)))
+
+
 def evaluate_arm(seed_dir: Path, arm: str) -> dict:
     """Held-out gold accuracy of the arm's final policy, McNemar against SFT, seconds per step, peak RSS."""
     from transformers import AutoModelForCausalLM
@@ -137,8 +143,7 @@ def evaluate_arm(seed_dir: Path, arm: str) -> dict:
     held_out = [json.loads(line) for line in (seed_dir / "prompts_heldout.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(seed_dir / f"ppo_{arm}" / "policy").eval()
     final = gold_accuracy(model, build_tokenizer(), held_out)
-    only_ppo = sum(p and not s for p, s in zip(final["correct"], sft["correct"]))
-    only_sft = sum(s and not p for p, s in zip(final["correct"], sft["correct"]))
+    only_ppo, only_sft = discordant(final["correct"], sft["correct"])
     rows = [json.loads(line) for line in (seed_dir / f"ppo_{arm}" / "metrics.jsonl").read_text().splitlines()]
     seconds = [r["perf/seconds_step"] for r in rows if r.get("step", 0) >= 2 and "perf/seconds_step" in r]
     flat = [r["group/no_spread_fraction"] for r in rows if "group/no_spread_fraction" in r]
@@ -182,7 +187,8 @@ def print_tables(root: Path, seeds: list[int], arms: list[str]) -> None:
     if paired:  # each arm against the seed's GAE run on the same problems (McNemar, exact)
         from tether.core.stats import mcnemar_exact
 
-        print("\n| seed | " + " | ".join(f"{a} − gae (points; problems only {a} / only gae; p)" for a in paired) + " |")
+        columns = " | ".join(f"{a} − gae (points; problems only {a} / only gae; p)" for a in paired)
+        print(f"\n| seed | {columns} |")
         print("| --- " * (1 + len(paired)) + "|")
         for seed in sorted(results["gae"]):
             cells, gae = [], results["gae"][seed]
@@ -191,8 +197,7 @@ def print_tables(root: Path, seeds: list[int], arms: list[str]) -> None:
                 if r is None or "correct" not in r or "correct" not in gae:
                     cells.append("–")
                     continue
-                only_arm = sum(a and not g for a, g in zip(r["correct"], gae["correct"]))
-                only_gae = sum(g and not a for a, g in zip(r["correct"], gae["correct"]))
+                only_arm, only_gae = discordant(r["correct"], gae["correct"])
                 cells.append(f"{100 * (r['accuracy'] - gae['accuracy']):+.1f} ({only_arm} / {only_gae}; "
                              f"{mcnemar_exact(only_arm, only_gae):.2g})")
             print(f"| {seed} | " + " | ".join(cells) + " |")

@@ -41,8 +41,8 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     out_dir = tempfile.mkdtemp(prefix="tether-realstep-")
-    config = {"output_dir": out_dir, "steps": args.steps + bool(args.profile), "batch_size": 8, "samples_per_prompt": 4, "seed": 0,
-              "progress": False, "save_every_minutes": 0,
+    config = {"output_dir": out_dir, "steps": args.steps + bool(args.profile), "batch_size": 8,
+              "samples_per_prompt": 4, "seed": 0, "progress": False, "save_every_minutes": 0,
               "model": {"policy": "smollm2-135m-instruct", "lora_r": 16, "lora_alpha": 32, "dtype": args.dtype},
               "data": {"prompts": str(SVAMP), "eval_fraction": 0.2, "system_prompt": SYSTEM},
               "generation": {"engine": args.engine, "max_new_tokens": 96, "temperature": 1.0},
@@ -77,7 +77,7 @@ LORA_R = 16
 def category(name: str, shapes) -> str:
     """Which part of the model an op of the profile belongs to, by its name and input shapes."""
     dims = {d for shape in shapes or [] for d in (shape or [])}
-    if "scaled_dot_product" in name or "flash_attention" in name or "softmax" in name and VOCAB not in dims:
+    if "scaled_dot_product" in name or "flash_attention" in name or ("softmax" in name and VOCAB not in dims):
         return "attention"
     if VOCAB in dims or "logsumexp" in name or "log_softmax" in name:
         return "lm-head + log-softmax"
@@ -190,10 +190,13 @@ def main() -> None:
             last = runs[str(tree)][-1]
             print(f"repeat {r + 1} {tree}: step {last['step']:.1f} s, eval {last['eval']:.1f} s", flush=True)
             for what, parts in last.get("profile", {}).items():
-                ops = sum(v for k, v in parts.items() if k != "wall")
-                print(f"  {what}: {parts['wall']:.1f} s wall" + (" under the profiler, self CPU seconds of this "
-                      f"process's ops {ops:.1f}" if what == "step" else "") + ": " + ", ".join(f"{k} {v:.1f} s ({v / ops:.0%})" for k, v in
-                                                      sorted(parts.items(), key=lambda kv: -kv[1]) if k != "wall"))
+                parts = dict(parts)  # the runs keep their wall seconds for --json
+                wall = parts.pop("wall")
+                total = sum(parts.values())  # the step: self CPU seconds of ops; the evaluation: its wall clock
+                shares = ", ".join(f"{k} {v:.1f} s ({v / total:.0%})" for k, v in sorted(parts.items(),
+                                                                                       key=lambda kv: -kv[1]))
+                print(f"  {what}: {wall:.1f} s wall, {total:.1f} s {'of ops' if what == 'step' else 'in parts'}: "
+                      + shares)
     medians = {t: {k: statistics.median(x[k] for x in rs) for k in (*PHASES, "eval", "tokens")}
                for t, rs in runs.items()}
     base = str(args.trees[0])

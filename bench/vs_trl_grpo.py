@@ -44,30 +44,23 @@ RULE = '''def count_x(prompts, completions, **_):
 
 
 def build(root: Path, size: str, model_dir: str | None = None) -> int:
-    """The shared model directory (``model_dir`` copied, or a random GPT-2 of ``size``), prompt file and rule
-    module; returns the parameter count."""
+    """The shared model directory ``root/policy`` (``model_dir`` copied, or bench/ppo_step.py's random GPT-2 of
+    ``size``), prompt file and rule module; returns the parameter count."""
     sys.path.insert(0, str(HERE))
-    import torch
-    from ppo_step import SIZES, WORDS, build_tokenizer
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from ppo_step import WORDS, build_models
+    from transformers import AutoModelForCausalLM
 
     if model_dir:
-        shutil.copytree(model_dir, root / "model")
-        model = AutoModelForCausalLM.from_pretrained(root / "model")
+        shutil.copytree(model_dir, root / "policy")
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(root / "policy").parameters())
     else:
-        tok = build_tokenizer(root / "model")
-        config = GPT2Config(vocab_size=len(tok), n_positions=128, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                            bos_token_id=tok.bos_token_id, **SIZES[size])
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(config)
-        model.save_pretrained(root / "model")
+        n_params = build_models(root, size)[2]
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))).capitalize() for _ in range(256)]
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts))
     (root / "rules_for_checks.py").write_text(RULE)
     shutil.copy(TRL_SCRIPT, root / "trl_grpo_bench.py")
-    return sum(p.numel() for p in model.parameters())
+    return n_params
 
 
 def tether_child(root: Path, steps: int, packing: bool, out: Path) -> None:
@@ -82,7 +75,7 @@ def tether_child(root: Path, steps: int, packing: bool, out: Path) -> None:
 
     cfg = RunConfig()
     cfg.output_dir, cfg.progress, cfg.save_every_minutes = str(root / f"run-{os.getpid()}"), False, 0
-    cfg.model.policy, cfg.data.prompts = str(root / "model"), str(root / "prompts.jsonl")
+    cfg.model.policy, cfg.data.prompts = str(root / "policy"), str(root / "prompts.jsonl")
     cfg.data.chat_template = "off"
     cfg.reward.sources, cfg.reward.gold, cfg.reward.clip = ["rules_for_checks:count_x"], "none", 0.0
     cfg.batch_size, cfg.samples_per_prompt, cfg.steps = P, K, steps
@@ -94,13 +87,21 @@ def tether_child(root: Path, steps: int, packing: bool, out: Path) -> None:
     cfg.optim.lr, cfg.optim.max_grad_norm = LR, 1.0
     cfg.validate()
     c = setup(cfg)
+    generated, generate = [], c.models.engine.generate
+
+    def counted(*args, **kwargs):  # the sequences each step really sampled
+        rollout = generate(*args, **kwargs)
+        generated.append(len(rollout))
+        return rollout
+
+    c.models.engine.generate = counted
     rows = [ppo_step(c, cfg, step) for step in range(1, steps + 1)]
     measured = rows[1:] or rows
     out.write_text(json.dumps({
         "median_s_per_step": statistics.median(r["perf/seconds_step"] for r in measured),
         "step_times_s": [r["perf/seconds_step"] for r in rows],
-        "seqs_per_step": P * K, "completion_tokens_per_seq": [r["response/length_mean"] for r in rows],
-        "opt_steps_per_step": M,
+        "seqs_per_step": generated, "completion_tokens_per_seq": [r["response/length_mean"] for r in rows],
+        "opt_steps_per_step": [r["ppo/updates"] for r in rows],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -112,7 +113,7 @@ def run_tether(root: Path, steps: int, packing: bool, out: Path) -> dict:
 
 
 def run_trl(python: str, root: Path, steps: int, out: Path) -> dict:
-    cmd = [python, str(root / "trl_grpo_bench.py"), "--model", str(root / "model"), "--prompts",
+    cmd = [python, str(root / "trl_grpo_bench.py"), "--model", str(root / "policy"), "--prompts",
            str(root / "prompts.jsonl"), "--steps", str(steps), "--prompts-per-step", str(P), "--num-generations",
            str(K), "--mini-batches", str(M), "--grad-accum", "1", "--max-completion-length", str(T),
            "--fixed-length", "1", "--beta", str(BETA), "--lr", str(LR), "--temperature", "1.0", "--threads", "2",
@@ -150,26 +151,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tether-vs-trl-grpo-") as tmp:
         root = Path(tmp)
         n_params = build(root, a.size, a.model)
-        print(f"{a.model or a.size + ' GPT-2'}, {n_params / 1e6:.2f}M params; {P} prompts x {K} samples x {T} tokens a step, "
-              f"1 epoch x {M} minibatches, k3 KL in the loss (beta {BETA}), fp32, 2 threads"
+        print(f"{a.model or a.size + ' GPT-2'}, {n_params / 1e6:.2f}M params; {P} prompts x {K} samples x {T} "
+              f"tokens a step, 1 epoch x {M} minibatches, k3 KL in the loss (beta {BETA}), fp32, 2 threads"
               f"{', tether --packing' if a.packing else ''}", flush=True)
         pairs = []
         for i in range(a.pairs):
             ours = run_tether(root, a.steps, a.packing, root / f"tether{i}.json")
             theirs = run_trl(a.trl_python, root, a.steps, root / f"trl{i}.json")
-            for side in (ours, theirs):
-                assert all(n == P * K for n in ([side["seqs_per_step"]] if isinstance(side["seqs_per_step"], int)
-                                                else side["seqs_per_step"])), side
+            for side in (ours, theirs):  # both did what the settings say, measured
+                assert set(side["seqs_per_step"]) == {P * K} and set(side["opt_steps_per_step"]) == {M}, side
+                assert set(side["completion_tokens_per_seq"]) == {T}, side
             pairs.append((ours, theirs))
             print(f"pair {i + 1}: tether {ours['median_s_per_step']:.2f} s/step ({ours['peak_rss_mib']:.0f} MiB), "
                   f"TRL {theirs['median_s_per_step']:.2f} s/step ({theirs['peak_rss_mib']:.0f} MiB), "
                   f"TRL/tether {theirs['median_s_per_step'] / ours['median_s_per_step']:.2f}", flush=True)
         ratios = [t["median_s_per_step"] / o["median_s_per_step"] for o, t in pairs]
-        theirs = pairs[-1][1]
-        print(f"TRL {theirs['versions']['trl']} (transformers {theirs['versions']['transformers']}), old log-probs "
-              f"forward: {theirs['old_logps_forward']}; reply tokens a sequence: tether "
-              f"{pairs[-1][0]['completion_tokens_per_seq']}, TRL {theirs['completion_tokens_per_seq']}; optimizer "
-              f"steps a step: tether {M}, TRL {theirs['opt_steps_per_step']}")
+        versions = pairs[-1][1]["versions"]
+        print(f"TRL {versions['trl']} (transformers {versions['transformers']}), old log-probs forward: "
+              f"{pairs[-1][1]['old_logps_forward']}; every step of both: {P * K} sequences of {T} reply tokens, "
+              f"{M} optimizer steps (measured)")
         print(f"TRL / tether seconds per step: median {statistics.median(ratios):.2f} "
               f"(min {min(ratios):.2f}, max {max(ratios):.2f}) over {len(ratios)} pairs")
     return 0
