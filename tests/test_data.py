@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from tether.data import (
     PreferencePair,
     balance_by_length,
+    balance_by_reply,
     load_preference_pairs,
     read_records,
     record_location,
@@ -214,6 +216,44 @@ def test_balance_by_length_equalises_longer_and_shorter():
     shorter = sum(len(p.chosen) < len(p.rejected) for p in kept)
     assert longer == shorter == 10 and any(p.source == "eq" for p in kept) and len(kept) == 21
     assert kept == [p for p in pairs if p in kept]  # order preserved
+
+
+def _reply_balanced(pairs) -> bool:
+    texts = {t for p in pairs for t in (p.chosen.strip(), p.rejected.strip())}
+    return all(sum(p.chosen.strip() == t for p in pairs) == sum(p.rejected.strip() == t for p in pairs)
+               for t in texts)
+
+
+def test_balance_by_reply_keeps_the_largest_subset_where_no_reply_is_a_favourite():
+    # A -> B -> C -> A is a 3-cycle, but A -> B, B -> A and C -> A, A -> C are two 2-cycles: 4 pairs beat 3 (the two
+    # solutions share A -> B and C -> A, so they cannot be combined). " B" is the text "B".
+    pairs = [PreferencePair("p1", "A", "B", "ab"), PreferencePair("p2", " B", "C", "bc"),
+             PreferencePair("p3", "C", "A", "ca"), PreferencePair("p4", "B", "A", "ba"),
+             PreferencePair("p5", "A", "C", "ac")]
+    kept = balance_by_reply(pairs, seed=0)
+    assert [p.source for p in kept] == ["ab", "ca", "ba", "ac"]
+
+
+def test_balance_by_reply_matches_a_brute_force_search():
+    import itertools
+
+    rng = random.Random(3)
+    for trial in range(30):
+        pairs = [PreferencePair(f"p{i}", rng.choice("ABCD"), rng.choice("ABCD"), str(i)) for i in range(9)]
+        pairs = [p for p in pairs if p.chosen != p.rejected]
+        best = max(len(subset) for n in range(len(pairs) + 1) for subset in itertools.combinations(pairs, n)
+                   if _reply_balanced(subset))
+        kept = balance_by_reply(pairs, seed=trial)
+        assert _reply_balanced(kept) and len(kept) == best, trial
+        assert kept == [p for p in pairs if p in kept]  # order preserved
+
+
+def test_balance_by_reply_keeps_a_pair_of_one_text_and_draws_by_seed():
+    pairs = [PreferencePair("p", "A", "B", str(i)) for i in range(5)] + [PreferencePair("q", "B", "A", "ba"),
+                                                                        PreferencePair("r", "x", "x ", "same")]
+    kept = {p.source for p in balance_by_reply(pairs, seed=0)}
+    assert "same" in kept and "ba" in kept and len(kept) == 3  # one of the five A -> B pairs
+    assert len({frozenset(p.source for p in balance_by_reply(pairs, seed=s)) for s in range(20)}) > 1
 
 
 # --------------------------------------------------------------------------------------------- real data

@@ -693,3 +693,34 @@ def test_gain_since_first_by_hand():
     assert h.gain_since_first() is None  # no per-problem results at the last evaluation
     h.update(20, 0.75, 4, 0.0, "1011")  # problems 2 and 3 gained, problem 1 lost: d = 3, P[X >= 2] = 4/8
     assert h.gain_since_first() == (2, 1, 0.5)
+
+
+def test_reward_without_gold_is_a_note_when_the_reward_rises_and_gold_does_not():
+    """Recipe 5's β = 0.2 run in small: a reward model's held-out score rises 0.13 -> 0.82 while the task's check
+    goes 76 -> 74 of 200 (+8 / −10 on the same problems; exact one-sided p of a gain P[X >= 8 | 18, 1/2] =
+    0.760). Nothing fell significantly, so no band alarms; a note says the reward's gain bought no task. When the
+    reward is the check itself (eval/reward = accuracy) or gold rose, there is no such note."""
+    finished = {"steps": N}
+
+    def rows_with(gained, lost, rewards):  # the held-out evaluations of short_answer_rows, without its KL tail
+        evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in short_answer_rows(gained, lost)]
+        rows = healthy_rows()
+        for r, e in zip(rows, evals):
+            r.update(e)
+        for r, reward in zip((r for r in rows if "eval/accuracy" in r), rewards or []):
+            r["eval/reward"] = reward
+        return rows
+
+    n_evals = sum("eval/accuracy" in r for r in short_answer_rows(0, 0))
+    rising = [0.13 + 0.69 * i / (n_evals - 1) for i in range(n_evals)]
+    d = diagnose(rows_with(8, 10, rising), run_config=finished)
+    note = next(n for n in d.notes if n.startswith("reward without gold"))
+    assert "0.13 -> 0.82" in note and "38% -> 37%" in note
+    assert "8 wrong -> right, 10 right -> wrong, p of a gain = 0.76" in note
+    assert d.healthy and "reward without gold" in d.summary()
+    assert "but not learning the task by its gold check" in format_diagnosis(d).splitlines()[0]
+    for rows in (rows_with(8, 10, None), rows_with(20, 0, rising)):  # reward = gold; gold rose with the reward
+        assert not any(n.startswith("reward without gold") for n in diagnose(rows, run_config=finished).notes)
+    # a significant fall with the reward up is reward hacking, named by the gold band, not a note
+    d = diagnose(rows_with(0, 30, rising), run_config=finished)
+    assert d.failure_mode == "reward hacking" and not any(n.startswith("reward without gold") for n in d.notes)

@@ -212,6 +212,30 @@ def test_cli_end_to_end_in_process(tmp_path, backbone, capsys):
     assert "Reward model: training loss" in page and "Reward model: batch accuracy" in page
 
 
+def test_cli_balance_replies_trains_on_the_balanced_subset(tmp_path, backbone, capsys):
+    from tether.data import balance_by_reply, load_preference_pairs, split_pairs
+
+    # "yes" and "no" each chosen as often as rejected; "maybe" only ever rejected (a disfavoured text)
+    rows = [{"prompt": f"question {i}", "chosen": ("yes", "no")[i % 2], "rejected": ("no", "yes")[i % 2]}
+            for i in range(24)] + [{"prompt": f"other {i}", "chosen": "yes", "rejected": "maybe"} for i in range(12)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "rm"
+    assert main(["train-rm", "--model", str(backbone), "--data", str(data), "--output-dir", str(out),
+                 "--epochs", "1", "--batch-size", "8", "--balance-replies"]) == 0
+    train = split_pairs(load_preference_pairs([data])[0], 0.2, 0)[0]
+    expected = balance_by_reply(train, 0)
+    assert all(p.rejected != "maybe" for p in expected) and len(expected) < len(train)
+    meta = json.loads((out / "tether_reward.json").read_text())
+    assert meta["data"]["reply_balanced_train"] == len(expected)
+    assert f"balance-replies: kept {len(expected)} of {len(train)} train pairs" in capsys.readouterr().out
+    # no text both chosen and rejected: nothing to train on, a one-line error and nothing written
+    one_sided = write_jsonl(tmp_path / "one.jsonl", [{"prompt": f"q{i}", "chosen": f"right {i}", "rejected": "wrong"}
+                                                    for i in range(10)])
+    assert main(["train-rm", "--model", str(backbone), "--data", str(one_sided), "--output-dir",
+                 str(tmp_path / "rm2"), "--balance-replies"]) != 0
+    assert "--balance-replies kept no pair" in capsys.readouterr().err and not (tmp_path / "rm2").exists()
+
+
 @pytest.mark.slow
 def test_cli_subprocess_encoder_with_lora_writes_a_plain_model(tmp_path):
     from transformers import AutoModelForSequenceClassification

@@ -423,3 +423,28 @@ def balance_by_length(pairs: list[PreferencePair], seed: int) -> list[Preference
     big, small = (longer, shorter) if len(longer) > len(shorter) else (shorter, longer)
     drop = set(random.Random(seed).sample(big, len(big) - len(small)))
     return [p for i, p in enumerate(pairs) if i not in drop]
+
+
+def balance_by_reply(pairs: list[PreferencePair], seed: int) -> list[PreferencePair]:
+    """The largest subset in which every reply text (whitespace-stripped) is chosen exactly as often as it is
+    rejected: on it a reply alone predicts nothing, and a reward model lowers its loss only by reading the prompt.
+
+    Where the pairs are a policy's own samples labelled by a checker, a reply the policy gets right more often than
+    wrong ("The answer is 9." chosen 72 times, rejected 14) teaches a reward model to like that text whatever the
+    question — a favourite a policy then converges on. Pairs are the edges chosen → rejected of a multigraph on
+    reply texts; a subset with in-degree = out-degree everywhere is a circulation, and the largest one is a min-cost
+    circulation with cost −1 per pair (networkx's network simplex; networkx comes with torch). Which pairs of one
+    (chosen, rejected) text pair are kept is drawn at random (seeded); order is preserved. A pair whose two sides are
+    the same text is balanced by itself and kept."""
+    import networkx as nx
+
+    by_texts: dict[tuple[str, str], list[int]] = {}
+    for i, p in enumerate(pairs):
+        by_texts.setdefault((p.chosen.strip(), p.rejected.strip()), []).append(i)
+    graph = nx.DiGraph()
+    graph.add_edges_from((c, r, {"capacity": len(ids), "weight": -1}) for (c, r), ids in by_texts.items() if c != r)
+    flow = nx.min_cost_flow(graph)
+    rng, keep = random.Random(seed), set()
+    for (c, r), ids in by_texts.items():
+        keep.update(ids if c == r else rng.sample(ids, flow[c][r]))
+    return [p for i, p in enumerate(pairs) if i in keep]

@@ -64,7 +64,8 @@ class Diagnosis:
 
     def summary(self) -> str:
         if self.healthy:
-            return f"healthy ({self.n_steps} steps, no band in alarm)"
+            unlearned = any(n.startswith(REWARD_WITHOUT_GOLD) for n in self.notes)
+            return f"healthy ({self.n_steps} steps, no band in alarm{'; reward without gold' if unlearned else ''})"
         return (f"{self.failure_mode}: {self.cause_metric} left its healthy band at step {self.first_step}"
                 f" (alarm at step {self.alarm_step})")
 
@@ -191,6 +192,7 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
                  and not (no_critic and b.key.startswith("value/"))]
     alerts = monitor.alerts()
     gold, notes = _gold_summary(monitor)
+    notes += reward_without_gold(monitor)
     vouch = gold_vouches(monitor)
     if vouch is not None:  # the outcome measured on held-out problems contradicts what these bands predict
         step, why = vouch
@@ -256,6 +258,34 @@ def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
         f"varied (eval/distinct_responses {states['eval_distinct'].measure:.2f}x the first evaluation) and alike the "
         f"reference's (eval/reference_overlap {states['eval_shortcut'].value:.2f}): the drift bought the task; "
         f"read the answers to be sure")
+
+
+REWARD_WITHOUT_GOLD = "reward without gold"
+
+
+def reward_without_gold(monitor: HealthMonitor) -> list[str]:
+    """A note when the last evaluation's held-out reward is above the first's while its gold accuracy is not, and no
+    gold band alarmed. A learned reward can rise on held-out prompts while the task's own check stays put: the policy
+    found what the reward model likes and the task does not (recipe 5 of docs/real-models.md, β = 0.2: held-out
+    reward 0.13 -> 0.82, accuracy 39% -> 37%, the replies gathering on two favourite numbers). Nothing fell
+    significantly, so no band alarms; the run is still not learning the task. A reward that is the gold check
+    itself cannot rise without gold rising, so the note never fires for it. Paired counts and the exact one-sided
+    McNemar p of a gain, when per-problem results were logged."""
+    gold = next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
+                None)
+    if gold is None or len(gold.gold.evaluations) < 2 or any(
+            t.first_alert is not None for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES):
+        return []
+    first, last = gold.gold.evaluations[0], gold.gold.evaluations[-1]
+    if not (last.reward > first.reward and last.accuracy <= first.accuracy):
+        return []
+    gain = gold.gold.gain_since_first()
+    paired = (f"; paired: {gain[0]} wrong -> right, {gain[1]} right -> wrong, p of a gain = {gain[2]:.2g}"
+              if gain else "")
+    return [f"{REWARD_WITHOUT_GOLD}: the held-out reward rose {first.reward:.3g} -> {last.reward:.3g} from step "
+            f"{first.step} to step {last.step} while gold accuracy did not ({100 * first.accuracy:.0f}% -> "
+            f"{100 * last.accuracy:.0f}%{paired}): the reward's gain has not bought the task (a reward model's "
+            f"favourites, a format it over-rates); read the answers"]
 
 
 def _gold_summary(monitor: HealthMonitor) -> tuple[list[dict], list[str]]:
@@ -349,6 +379,8 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
         lines = [f"{head}HEALTHY: no band reached its alarm in {d.n_steps} steps" if not vouched else
                  f"{head}HEALTHY: no alarm stands in {d.n_steps} steps ({vouched} answered by the held-out "
                  f"evaluation, below)"]
+        if any(n.startswith(REWARD_WITHOUT_GOLD) for n in d.notes):
+            lines[0] += ", but not learning the task by its gold check (below)"
     else:
         e = d.evidence
         unit = "" if e["measure"] == "value" else f" ({e['measure']} measure)"

@@ -29,6 +29,10 @@ class DataConfig:
     separator: str = option("", "text between prompt and reply in the plain format", flag="--separator")
     balance_length: bool = option(False, "train on a subset where chosen-longer and chosen-shorter pairs "
                                   "are equally frequent", flag="--balance-length")
+    balance_replies: bool = option(False, "train on the largest subset where every reply text is chosen exactly as "
+                                   "often as it is rejected (a reply alone then predicts nothing: for pairs of a "
+                                   "policy's own samples, where a right answer's text is otherwise a favourite)",
+                                   flag="--balance-replies")
     dev_fraction: float = option(0.0, "carve a dev split (by prompt) of this share from the train pairs, train on "
                                  "the rest and evaluate on it instead of the held-out pairs (to choose settings "
                                  "without looking at the held-out pairs); 0 = off", low=0.0, high=0.9,

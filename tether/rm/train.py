@@ -33,8 +33,9 @@ from tether.config import as_config, check_config, config_to_dict, save_config
 from tether.conversations import prompt_key
 from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
 from tether.core.losses import bradley_terry_loss
-from tether.data import (PreferencePair, balance_by_length, load_preference_pairs, pairs_from_data,  # noqa: F401
-                         shuffled_batches as pair_batches, split_pairs)  # pair_batches: this module's API before the move
+from tether.data import (PreferencePair, balance_by_length, balance_by_reply, load_preference_pairs,  # noqa: F401
+                         pairs_from_data, split_pairs,
+                         shuffled_batches as pair_batches)  # pair_batches: this module's API before the move
 from tether.errors import ConfigError, DataError
 from tether.hf import DTYPES
 from tether.rm.config import RewardTrainingConfig
@@ -184,6 +185,14 @@ def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
         train = balance_by_length(train, cfg.seed)
         data_info["balanced_train"] = len(train)
         print(f"balance-length: kept {len(train)} of {n_before} train pairs (chosen longer = chosen shorter)")
+    if cfg.data.balance_replies:
+        n_before = len(train)
+        train = balance_by_reply(train, cfg.seed)
+        data_info["reply_balanced_train"] = len(train)
+        print(f"balance-replies: kept {len(train)} of {n_before} train pairs over "
+              f"{len({prompt_key(p.prompt) for p in train})} prompts (each reply text chosen as often as rejected)")
+        if not train:
+            raise DataError(f"{source}: --balance-replies kept no pair: no reply text is both chosen and rejected")
     return train, held_out, data_info
 
 
