@@ -62,10 +62,15 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def reward_without_gold(self) -> bool:
+        """The held-out reward rose while gold accuracy did not (:func:`reward_without_gold`'s note)."""
+        return any(n.startswith(REWARD_WITHOUT_GOLD) for n in self.notes)
+
     def summary(self) -> str:
         if self.healthy:
-            unlearned = any(n.startswith(REWARD_WITHOUT_GOLD) for n in self.notes)
-            return f"healthy ({self.n_steps} steps, no band in alarm{'; reward without gold' if unlearned else ''})"
+            unlearned = "; reward without gold" if self.reward_without_gold else ""
+            return f"healthy ({self.n_steps} steps, no band in alarm{unlearned})"
         return (f"{self.failure_mode}: {self.cause_metric} left its healthy band at step {self.first_step}"
                 f" (alarm at step {self.alarm_step})")
 
@@ -228,6 +233,12 @@ LEARNED = ("the flat groups are solved ones (every sample rewarded: the training
 VOUCH_P = upper_tail(GOLD_ALARM)  # the gold bands' own alarm level, one-sided p 0.00135
 
 
+def _gold_tracker(monitor: HealthMonitor):
+    """The gold band tracker holding the run's held-out evaluations (None when there were none)."""
+    return next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
+                None)
+
+
 def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
     """(step, why) when the run's last held-out evaluation shows it got better at the task, not worse: gold accuracy
     above the first evaluation's on the same problems with exact one-sided McNemar p <= :data:`VOUCH_P`, its
@@ -236,8 +247,7 @@ def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
     signal in the groups" alarm whose flat groups are solved ones) then count as notes, not as the verdict — the
     mirror of a gold fall overruling the proxy (a gold band is the verdict whenever it alarms). None when any of it
     is not measured: the bands stand."""
-    gold = next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
-                None)
+    gold = _gold_tracker(monitor)
     gain = gold.gold.gain_since_first() if gold is not None else None
     if gain is None:
         return None
@@ -271,8 +281,7 @@ def reward_without_gold(monitor: HealthMonitor) -> list[str]:
     significantly, so no band alarms; the run is still not learning the task. A reward that is the gold check
     itself cannot rise without gold rising, so the note never fires for it. Paired counts and the exact one-sided
     McNemar p of a gain, when per-problem results were logged."""
-    gold = next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
-                None)
+    gold = _gold_tracker(monitor)
     if gold is None or len(gold.gold.evaluations) < 2 or any(
             t.first_alert is not None for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES):
         return []
@@ -379,7 +388,7 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
         lines = [f"{head}HEALTHY: no band reached its alarm in {d.n_steps} steps" if not vouched else
                  f"{head}HEALTHY: no alarm stands in {d.n_steps} steps ({vouched} answered by the held-out "
                  f"evaluation, below)"]
-        if any(n.startswith(REWARD_WITHOUT_GOLD) for n in d.notes):
+        if d.reward_without_gold:
             lines[0] += ", but not learning the task by its gold check (below)"
     else:
         e = d.evidence
