@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tether.core.group import group_spread
-from tether.core.stats import repetition_counts
+from tether.core.stats import quantile, repetition_counts
 from tether.ppo.perf import PhaseTimer, padding_fraction, prompt_shares, step_flops
 from tether.rollout.records import Rollout
 from tether.rollout.weights import SyncSeconds
@@ -55,7 +55,7 @@ def objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean: 
             "objective/kl_max": p.global_max(kl[tokens].max() if tokens.any() else kl.new_zeros(())),
             # the health band's measure: a quantile is a property of the policy, the max grows with B·T
             # (several processes: the largest of their quantiles)
-            "objective/kl_p99": p.global_max(kl[tokens].float().quantile(0.99) if tokens.any()
+            "objective/kl_p99": p.global_max(quantile(kl[tokens].float(), 0.99) if tokens.any()
                                              else kl.new_zeros(())),
             "objective/kl_sequence": global_masked_mean(p, kl.sum(dim=1), valid),
             "objective/kl_coef": beta}

@@ -1,6 +1,6 @@
 """What a PPO checkpoint holds and how a run continues from one (B14): the trainer state beside the weights,
 restoring it (optimisers, schedules at their position, KL controller, score normaliser, data position, every
-process's RNG), when a checkpoint is due, whether a run directory starts in place or resumes, and the settings
+process's RNG, the health bookkeeping: the rollback targets and the non-finite skip streak), when a checkpoint is due, whether a run directory starts in place or resumes, and the settings
 a resume must keep. The files themselves are :mod:`tether.checkpoint`'s.
 """
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tether.checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tether.checkpoint import (checkpoint_dir, list_checkpoints, load_checkpoint, rng_state, save_checkpoint,
+                               set_rng_state)
 from tether.errors import TetherError
 from tether.sharding import (
     full_model_state,
@@ -22,12 +23,13 @@ from tether.sharding import (
 
 
 def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[dict, dict] | None = None,
-                  in_flight: list | None = None) -> dict:
+                  in_flight: list | None = None, health: dict | None = None) -> dict:
     """Everything but the weights that the run needs to continue exactly; ``rng_per_rank``: every process's
     RNG state in rank order (each process samples its own responses). ``rng`` (rank 0's) stays for
     checkpoints read by older versions. ``optimizers``: the (policy, critic) optimiser states gathered from
     sharded models, in place of the local ones. A run without a critic (B17) saves None for its states.
-    ``in_flight``: one step off (C7), every trainer's batch in flight, in rank order (tether.ppo.offpolicy)."""
+    ``in_flight``: one step off (C7), every trainer's batch in flight, in rank order (tether.ppo.offpolicy).
+    ``health``: the trainer's health bookkeeping (:func:`health_book`)."""
     o, d = run.optim, run.data
     optimizers = optimizers or (o.policy_optimizer.state_dict(), state_of(o.critic_optimizer))
     return {"step": step, "policy_optimizer": optimizers[0], "critic_optimizer": optimizers[1],
@@ -35,8 +37,23 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
             "kl_controller": o.kl_controller.state_dict(), "running_scores": d.running_scores.state_dict(),
             "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
             "grad_scaler": o.scaler.state_dict(),  # fp16's loss scale and its growth count; {} otherwise
-            "reference_answers": d.reference_answers,
+            "reference_answers": d.reference_answers, "health": health or health_book([], 0),
             **({"in_flight": in_flight} if in_flight is not None else {})}
+
+
+def health_book(healthy_checkpoints: list[tuple[int, Path]], skip_streak: int) -> dict:
+    """What the trainer's health decisions carry from step to step, for a checkpoint: the steps of the checkpoints
+    saved while no band was in alarm (``--rollback-on-alarm``'s targets) and the streak of steps whose optimizer
+    updates were all skipped (B16's stop). Without them a resumed run had nothing to roll back to where the
+    uninterrupted run rolled back, and restarted the streak at 0."""
+    return {"healthy_steps": [int(step) for step, _ in healthy_checkpoints], "skip_streak": int(skip_streak)}
+
+
+def from_health_book(book: dict, run_dir: Path) -> tuple[list[tuple[int, Path]], int]:
+    """(healthy checkpoints as (step, path), skip streak) of a restored :func:`health_book`; a checkpoint saved
+    before the book was ({}): none, 0 — as such runs resumed before."""
+    steps = book.get("healthy_steps", [])
+    return [(int(s), checkpoint_dir(run_dir, int(s))) for s in steps], int(book.get("skip_streak", 0))
 
 
 def state_of(x) -> dict | None:
@@ -62,8 +79,9 @@ def restore_rng(run, state: dict) -> None:
                   f"processes other than 0 continue from new streams (not bitwise the uninterrupted run)")
 
 
-def restore(run, run_dir: Path) -> int:
-    """Load the newest complete checkpoint into ``run``; returns its step."""
+def restore(run, run_dir: Path) -> tuple[int, dict]:
+    """Load the newest complete checkpoint into ``run``; returns its step and its health bookkeeping
+    (:func:`health_book`; {} for a checkpoint saved without it)."""
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise TetherError(f"--resume: {run_dir} has no complete checkpoint")
@@ -89,7 +107,7 @@ def restore(run, run_dir: Path) -> int:
     d.reference_answers = state.get("reference_answers")
     restore_in_flight(run, state.get("in_flight"))
     restore_rng(run, state)
-    return int(state["step"])
+    return int(state["step"]), state.get("health") or {}
 
 
 def restore_in_flight(run, in_flight: list | None) -> None:
@@ -183,10 +201,10 @@ def load_weights(run, path: Path) -> dict:
     return load_checkpoint(path, m.unwrapped_policy, m.unwrapped_critic)
 
 
-def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
+def checkpoint(run, cfg, run_dir: Path, step: int, health: dict | None = None) -> Path | None:
     """Save checkpoint ``step`` (weights and trainer state from the main process, every process's RNG
-    state, one step off every trainer's batch in flight); every process waits for it. Returns its path on the
-    main process."""
+    state, one step off every trainer's batch in flight, the main process's ``health`` bookkeeping); every process
+    waits for it. Returns its path on the main process."""
     ahead = run.data.ahead
     in_flight = run.processes.gather_objects(ahead.state_dict(run)) if ahead is not None else None
     rng_per_rank = run.processes.gather_objects(rng_state())
@@ -200,7 +218,7 @@ def checkpoint(run, cfg, run_dir: Path, step: int) -> Path | None:
                                   full_optimizer_state(m.critic, o.critic_optimizer) if critic else None)}
     saved = None
     if run.processes.is_main:
-        state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None), in_flight)
+        state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None), in_flight, health)
         saved = save_checkpoint(run_dir, step, m.unwrapped_policy, m.unwrapped_critic, state, cfg.keep_checkpoints,
                                 **sharded)
     run.processes.wait()

@@ -27,7 +27,8 @@ from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
 from tether.ppo.export import export_policy
 from tether.ppo.inputs import detached, resolve_inputs
-from tether.ppo.resume import check_same_config, checkpoint, checkpoint_due, load_weights, restore, start_in_place
+from tether.ppo.resume import (check_same_config, checkpoint, checkpoint_due, from_health_book, health_book,
+                               load_weights, restore, start_in_place)
 from tether.ppo.runlog import RunLog
 from tether.ppo.step import ppo_step
 from tether.rollout.layout import launch_layout
@@ -116,15 +117,16 @@ class PPOTrainer:
             clean_temporary(self.run_dir)
             if note:
                 print(note, file=sys.stderr)
-        self.steps_done = restore(run, self.run_dir) if resume else 0
+        self.steps_done, book = restore(run, self.run_dir) if resume else (0, {})
         self.log = RunLog(self.run_dir, run.processes, cfg)
         self.monitor = HealthMonitor(cfg.health)
         for row in self.log.start(cfg, self.steps_done if resume else None):  # replay: alerts fire on new crossings
             self.monitor.update(row["step"], row)
-        self.healthy_checkpoints: list[tuple[int, Path]] = []  # saved while no band was in alarm
+        # saved while no band was in alarm; the streak of steps with every update skipped (both in the checkpoints)
+        self.healthy_checkpoints, self.skip_streak = from_health_book(book, self.run_dir)
         self.bar = tqdm(desc="ppo", initial=self.steps_done, total=cfg.steps, dynamic_ncols=True,
                         disable=not (cfg.progress and run.processes.is_main))
-        self.last_save, self.skip_streak = time.monotonic(), 0
+        self.last_save = time.monotonic()
         self.stopped: str | None = None   # why the run stops before cfg.steps: a callback's reason or ALARM
         self.last_row: dict = {}
         self.result: TrainResult | None = None
@@ -241,10 +243,12 @@ class PPOTrainer:
 
     def save(self, step: int) -> Path | None:
         """Checkpoint ``step`` (every process takes part); its path on the main process."""
-        saved = checkpoint(self.run, self.cfg, self.run_dir, step)
+        healthy = self.monitor.healthy
+        book = health_book(self.healthy_checkpoints + [(step, None)] * healthy, self.skip_streak)
+        saved = checkpoint(self.run, self.cfg, self.run_dir, step, book)
         self.last_save = time.monotonic()
         if saved is not None:
-            if self.monitor.healthy:
+            if healthy:
                 self.healthy_checkpoints.append((step, saved))
             self.callbacks("on_save", saved)
         return saved

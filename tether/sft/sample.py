@@ -10,9 +10,10 @@ say whether the task is in the model's reach (pass@K, kept/total) come before an
 The prompts are read as ``tether ppo`` reads them (:mod:`tether.prompt_rows`: prompt, GSM8K, SVAMP, HH or message
 shapes, the other columns kept) and the policy is asked as ``tether ppo`` asks it (chat template, ``--system-prompt``,
 ``--prompt-template``; :func:`tether.sft.evaluate.generate_responses` over a :mod:`tether.rollout` engine), from
-exactly softmax(logits / T). Each sample gets the sum of the ``--reward`` scores — rules called as PPO calls them, with
-the row's columns and ``ended_with_eos`` (:func:`tether.rule_calls.call_rule`), reward models' standardised scores
-(several: their mean) — and is **accepted** when that sum is finite and ≥ ``--min-score`` and, with
+exactly softmax(logits / T). Each sample gets the sum of the ``--reward`` scores, combined as PPO combines them
+(:func:`scores_of`: a rule's None leaves the sample to the others) — rules called as PPO calls them, with the row's
+columns and ``ended_with_eos`` (:func:`tether.rule_calls.call_rule`), reward models' standardised scores (several:
+their mean) — and is **accepted** when that sum is finite and ≥ ``--min-score`` and, with
 ``--require-eos`` (the default), it ended with EOS (a cut reply is no demonstration). Per prompt, the accepted
 samples (distinct texts) are kept best first: ``--keep best`` the top one (Best-of-N), ``--keep all`` up to
 ``--max-per-prompt`` (0 = every one; RFT keeps distinct correct ones); ``--keep pairs`` writes preference pairs
@@ -142,10 +143,10 @@ class SampleResult:
 
 
 def reward_scorers(specs: list[str], given: dict, device) -> list:
-    """``(prompts, responses, fields, ended) -> (B,)`` scorers: reward-model directories (one ensemble, their mean),
-    rules and callables given from Python (``given[spec]``)."""
+    """``(prompts, responses, fields, ended) -> ((B,) scores, rows it does not apply to)`` scorers: reward-model
+    directories (one ensemble, their mean; they judge every row), rules and callables given from Python
+    (``given[spec]``; a row they return None for is left to the other scorers, as PPO leaves it: :func:`scores_of`)."""
     from tether.rm.model import METADATA_FILE, RewardEnsemble, RewardModel
-    from tether.rule_calls import call_rule
     from tether.rules import load_rule
 
     dirs = [s for s in specs if s not in given and (Path(s) / METADATA_FILE).is_file()]
@@ -153,14 +154,31 @@ def reward_scorers(specs: list[str], given: dict, device) -> list:
     if dirs:
         models = [RewardModel.from_pretrained(d, device=device) for d in dirs]
         model = models[0] if len(models) == 1 else RewardEnsemble(models, "mean")
-        scorers.append(lambda prompts, responses, fields, ended: model.score(prompts, responses).float().cpu())
+        scorers.append(lambda prompts, responses, fields, ended: (model.score(prompts, responses).float().cpu(),
+                                                                  set()))
     for spec in specs:
         if spec in dirs:
             continue
         rule = given.get(spec) or load_rule(spec, flag="--reward")
-        scorers.append(lambda prompts, responses, fields, ended, rule=rule: call_rule(rule, prompts, responses,
-                                                                                       fields, ended))
+        scorers.append(lambda prompts, responses, fields, ended, rule=rule: _rule_scores(rule, prompts, responses,
+                                                                                          fields, ended))
     return scorers
+
+
+def _rule_scores(rule, prompts, responses, fields, ended) -> tuple[torch.Tensor, set[int]]:
+    from tether.rule_calls import call_rule
+
+    not_applicable: set[int] = set()
+    return call_rule(rule, prompts, responses, fields, ended, not_applicable=not_applicable), not_applicable
+
+
+def scores_of(scorers: list, prompts: list[str], responses: list[str], fields: dict, ended) -> torch.Tensor:
+    """(B,) the samples' scores, combined as PPO combines its sources (:func:`tether.ppo.sources.judged_sum`): Σ of
+    the scorers' scores, each counting only on the rows it judged — a rule's None ("does not apply") leaves the row
+    to the others, not a NaN that drops the sample; a row no scorer judged, or one a rule failed on, is NaN."""
+    from tether.ppo.sources import judged_sum
+
+    return judged_sum([scorer(prompts, responses, fields, ended) for scorer in scorers], len(responses))
 
 
 def kept_rows(chunk: list[dict], responses: list[str], scores: list[float], ended: list[bool], k: int, cfg,
@@ -299,7 +317,7 @@ def rejection_sample(config, reward=None, prompts=None) -> SampleResult:
                                                     g.temperature, precision=precision)
             ended = [bool(e) for e in rollout.ended_with_eos]
             fields = collate_fields(repeated)
-            scores = sum(scorer(prompts_k, responses, fields, rollout.ended_with_eos) for scorer in scorers)
+            scores = scores_of(scorers, prompts_k, responses, fields, rollout.ended_with_eos)
             counts["samples"] += len(responses)
             counts["ended_with_eos"] += sum(ended)
             kept += kept_rows(chunk, responses, [float(s) for s in scores], ended, k, cfg, counts)
