@@ -9,7 +9,8 @@ response ends by stating it as "The answer is N" (or a last line ``#### N``). Us
 ``--reward tether.rules:math_verify_correct``); the two agree on 99.7–100% of GSM8K's and SVAMP's reference
 answers and recorded model answers, and docs/real-models.md says where they differ (math-verify reads the number
 after any "answer…", "answered 200 calls", as the reply's answer).
-``load_rule`` imports any rule named ``module:function[:key=value,...]`` (PPO reward sources, step rules).
+``load_rule`` imports any rule named ``module:function[:key=value,...]`` (PPO reward sources, step rules); a rule
+may also be a TRL reward function ``f(completions, **kwargs)``, called as TRL calls it (:mod:`tether.rule_calls`).
 
 Numbers are read as people write them: ``18``, ``-7``, ``18.00`` (== 18), ``0.5``, ``.5``, ``1,234``
 (a comma only between groups of three digits), a currency sign before or after the minus
@@ -31,13 +32,14 @@ final answer is N", or a line ``#### N``) followed by at most ``%`` or two unit 
 and N is the answer found above. The bonus does not depend on N being right.
 
 Truncated replies earn nothing. During PPO training and evaluation tether passes every rule the reserved
-keyword ``ended_with_eos`` (one bool per response; see :func:`tether.ppo.sources.call_rule`); a response cut by
+keyword ``ended_with_eos`` (one bool per response; see :func:`tether.rule_calls.call_rule`); a response cut by
 ``max_new_tokens`` scores 0 here, bonus included, whatever its last number says. Called directly without
 ``ended_with_eos``, the rules treat every response as ended.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from fractions import Fraction
@@ -259,11 +261,7 @@ def load_rule(spec: str, flag: str = "--reward") -> Callable:
             NEEDS_PACKAGE[function_name]()
         except TetherError as e:
             raise TetherError(f"{flag} {spec}: {e}") from None
-    if kwargs:
-        base = fn
-
-        def fn(prompts, responses, **fields):
-            return base(prompts, responses, **fields, **kwargs)
-
+    if kwargs:  # bound by keyword: the rule keeps its own signature, so it is called its own way (tether.rule_calls)
+        fn = functools.partial(fn, **kwargs)
         fn.__name__ = function_name
     return fn

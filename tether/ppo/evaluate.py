@@ -13,7 +13,7 @@ from tether.diagnostics.text import word_f1
 from tether.errors import TetherError
 from tether.ppo.forward import forward_response
 from tether.ppo.prompts import collate_fields
-from tether.rule_calls import NOT_APPLICABLE, call_rule
+from tether.rule_calls import NOT_APPLICABLE, call_rule, completion_ids, with_completion_ids
 from tether.ppo.sources import score_responses
 from tether.ppo.step import rollout_batch
 from tether.sharding import gathered
@@ -70,6 +70,7 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
         chunk = rows[start:start + size]
         prompts, fields = [r["prompt"] for r in chunk], collate_fields(chunk)
         rollout, responses = rollout_batch(m, cfg, chunk, greedy=cfg.eval.greedy)
+        fields = with_completion_ids(fields, completion_ids(rollout))  # for rules that ask (TRL's)
         kl = sequence_kl(run, cfg, model, rollout, max(0, min(kl_rows - start, len(chunk))))
         kls += kl
         # Rules get the EOS flags: the math rules never credit a reply cut by max_new_tokens.

@@ -204,12 +204,14 @@ def probe_rules(sources: list, rows: list[dict]) -> None:
     that raises here is left to the step (it may just dislike empty replies; rows it fails on are dropped)."""
     from tether.ppo.prompts import collate_fields
     from tether.ppo.sources import RuleSource, call_rule
+    from tether.rule_calls import with_completion_ids
 
     prompts = [r["prompt"] for r in rows]
     for source in sources:
         if isinstance(source, RuleSource) and prompts:
             try:
-                call_rule(source.fn, prompts, [""] * len(prompts), collate_fields(rows), [True] * len(prompts))
+                call_rule(source.fn, prompts, [""] * len(prompts),
+                          with_completion_ids(collate_fields(rows), [[] for _ in prompts]), [True] * len(prompts))
             except TetherError as e:
                 if "raised on every response" not in str(e):
                     raise

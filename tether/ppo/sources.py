@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
-from tether.rule_calls import EOS_FIELD, NOT_APPLICABLE, call_rule, with_eos_field  # noqa: F401 - this module's API before the move
+from tether.rule_calls import EOS_FIELD, NOT_APPLICABLE, call_rule, rollout_fields, with_eos_field  # noqa: F401 - this module's API before the move
 from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
 
 
@@ -324,8 +324,8 @@ def score_rollout(sources: list, prompts: list[str], responses: list[str], field
                   ) -> RewardScores:
     """The sources' scores of one rollout (B4, A9): ``responses`` the decoded texts of ``rollout.response``
     (its valid tokens, special tokens skipped), ``fields`` the prompt rows' other columns; rules also get
-    ``ended_with_eos``. ``tokenizer``: the policy's, to find the token that ends each PRM step."""
-    fields = with_eos_field(fields, rollout.ended_with_eos)
+    ``ended_with_eos`` and ``completion_ids``. ``tokenizer``: the policy's, to find the token that ends each PRM step."""
+    fields = rollout_fields(fields, rollout)  # + ended_with_eos, completion_ids
     dense = torch.zeros(tuple(rollout.response.shape), dtype=torch.float32)
     errors: dict[int, str] = {}
     parts, dense_sources = [], False

@@ -76,7 +76,7 @@ def gold_accuracy(run, cfg) -> tuple[dict, list[dict]]:
     """Greedy answers to the first ``eval.n`` gold prompts, judged by the gold rule; ``(metrics, samples)``."""
     from tether.prompt_rows import collate_fields
     from tether.rollout.engines import TransformersEngine
-    from tether.rule_calls import call_rule
+    from tether.rule_calls import call_rule, completion_ids, with_completion_ids
 
     rows = run.eval_rows[:cfg.eval.n]
     if run.gold is None or not rows:
@@ -90,7 +90,8 @@ def gold_accuracy(run, cfg) -> tuple[dict, list[dict]]:
         prompts = [r["prompt"] for r in chunk]
         rollout, responses = generate_responses(engine, run.tokenizer, prompts, prompting, run.eval_max_new_tokens,
                                                 run.processes.device, greedy=True, precision=run.precision)
-        verdicts = call_rule(run.gold, prompts, responses, collate_fields(chunk), rollout.ended_with_eos)
+        fields = with_completion_ids(collate_fields(chunk), completion_ids(rollout))
+        verdicts = call_rule(run.gold, prompts, responses, fields, rollout.ended_with_eos)
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
             right, ended, length = bool(verdicts[i] > 0.5), bool(rollout.ended_with_eos[i]), int(rollout.lengths[i])
             samples.append({"prompt": prompt, "response": response, "correct": right, "length": length,

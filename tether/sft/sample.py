@@ -278,6 +278,7 @@ def rejection_sample(config, reward=None, prompts=None) -> SampleResult:
 
     from tether.precision import Precision
     from tether.prompt_rows import collate_fields, load_prompts, prompts_from_data
+    from tether.rule_calls import completion_ids, with_completion_ids
     from tether.rollout.engines import make_engine
     from tether.sft.evaluate import Prompting, generate_responses
 
@@ -316,7 +317,7 @@ def rejection_sample(config, reward=None, prompts=None) -> SampleResult:
             rollout, responses = generate_responses(engine, tokenizer, prompts_k, prompting, g.max_new_tokens, device,
                                                     g.temperature, precision=precision)
             ended = [bool(e) for e in rollout.ended_with_eos]
-            fields = collate_fields(repeated)
+            fields = with_completion_ids(collate_fields(repeated), completion_ids(rollout))
             scores = scores_of(scorers, prompts_k, responses, fields, rollout.ended_with_eos)
             counts["samples"] += len(responses)
             counts["ended_with_eos"] += sum(ended)
