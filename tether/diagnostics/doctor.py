@@ -28,8 +28,9 @@ from tether.config import config_from_dict
 from tether.diagnostics.gold import describe, upper_tail, with_problem_results
 from tether.diagnostics.groups import flat_groups_kind, flat_groups_prescriptions
 from tether.diagnostics.health import (BANDS, GOLD_ALARM, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, Alert,
-                                       HealthConfig, HealthMonitor)
+                                       TASK_DROPPED, HealthConfig, HealthMonitor)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
+from tether.diagnostics.shortcut import add_verdict, judge_run
 from tether.errors import TetherError
 
 # (phase, metric key) in step order (C2); "score" is the sum of old log-probs … reward, for runs made
@@ -315,6 +316,7 @@ def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Dia
     d = diagnose(rows, config or health_config_from_run(run_config), run_config=run_config)
     if d.failure_mode == SHORTCUT:
         d.evidence["answers"] = answers_beside_reference(run_dir, d.alarm_step)
+    add_verdict(d, judge_run(run_dir), _prescribe(TASK_DROPPED, run_config))  # per problem: tether.diagnostics.shortcut
     return d
 
 
@@ -402,6 +404,8 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
                  "  evidence: " + ", ".join(f"step {p['step']}: {_fmt(p['measure'])} {p['state']}"
                                             for p in e["series"])]
         for a in e.get("answers", []):  # a shortcut is read in the answers
+            if a.get("prompt") and a.get("signals"):  # the per-problem detector's: the prompt and what it saw
+                lines.append(f"  prompt: {_short(a['prompt'])!r} ({', '.join(a['signals'])})")
             lines.append(f"  answer (overlap {a['overlap']:.2f}): {_short(a['response'])!r}  |  reference: "
                          f"{_short(a['reference'])!r}")
         if e["measure"] in GOLD_MEASURES:  # the paired comparisons at the alarm and at the last evaluation
@@ -452,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
     config.validate()
     rows = with_problem_results(load_metrics(args.run_dir), args.run_dir)
     d = diagnose(rows, config, run_config=run_config)
+    add_verdict(d, judge_run(args.run_dir), _prescribe(TASK_DROPPED, run_config))  # the held-out answers, per problem
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False))
     else:

@@ -32,6 +32,7 @@ COLLAPSE = "collapse"
 NOT_LEARNING = "not learning"
 NO_SIGNAL = "no signal in the groups"
 SHORTCUT = "shortcut"
+TASK_DROPPED = "the check satisfied, the task dropped"  # per problem: tether.diagnostics.shortcut
 SAMPLER_MISMATCH = "sampler mismatch"
 
 # What a band's measure is:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from tether.diagnostics.groups import flat_groups_prescriptions
 from tether.diagnostics.health import (COLLAPSE, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL, NOT_LEARNING, RATIO,
-                                       REWARD_HACKING, SAMPLER_MISMATCH, SHORTCUT, VALUE_COLLAPSE)
+                                       REWARD_HACKING, SAMPLER_MISMATCH, SHORTCUT, TASK_DROPPED, VALUE_COLLAPSE)
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -122,6 +122,19 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
         Rx("keep the policy nearer the reference: raise β", "kl.coef", _beta),
         Rx("roll back to the last checkpoint before the overlap fell", "health.rollback", lambda c: "true",
            lambda current: current is True),
+    ],
+    # #51: counted problem by problem (tether.diagnostics.shortcut); the answers are in the verdict
+    TASK_DROPPED: [
+        Rx("reward the task as well as its check: the checker times a relevance gate (tether.task_gate:gated:"
+           "check=YOUR_CHECKER; docs/real-models.md), or a reward model trained on the policy's own answers",
+           "reward.sources"),
+        Rx("a length floor: EOS not sampled before this many tokens (about half the step-0 held-out "
+           "eval/response_length), so the phrase alone cannot be the answer", "generation.min_new_tokens",
+           lambda c: "half the step-0 eval/response_length" if not c else None, lambda c: bool(c)),
+        Rx("the curriculum: prompts passed in every sample (shortcut included) are drawn at difficulty.min_weight, "
+           "so the gradient goes to prompts still failing; it slows the shortcut's spread, it does not unpay it",
+           "difficulty.curriculum", lambda c: "true", _is(True)),
+        Rx("keep the policy nearer the reference: raise β", "kl.coef", _beta),
     ],
     # B19, tether's: correct what the engine's distribution costs, then make it smaller (docs/sampling.md)
     SAMPLER_MISMATCH: [
