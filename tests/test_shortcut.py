@@ -170,11 +170,11 @@ def test_arithmetic_history_with_shorter_right_answers_does_not_alarm():
 # ------------------------------------------------------------------------------------------------- the doctor
 
 
-def write_history(tmp_path, n_shortcuts: int, name: str = "run"):
+def write_history(tmp_path, n_shortcuts: int, name: str = "run", eval_n: int = 36):
     from test_doctor import healthy_rows, write_run
 
-    run = write_run(tmp_path, healthy_rows(), name=name, config={"steps": 60, "generation": {"min_new_tokens": 0},
-                                                      "difficulty": {"curriculum": False}})
+    run = write_run(tmp_path, healthy_rows(), name=name, config={
+        "steps": 60, "generation": {"min_new_tokens": 0}, "difficulty": {"curriculum": False}, "eval": {"n": eval_n}})
     (run / "samples").mkdir()
     first, last = history(n_shortcuts)
     middle = samples({i: s["response"] for i, s in enumerate(first)})
@@ -207,9 +207,12 @@ def test_doctor_names_the_dropped_task_with_prompts_and_answers(tmp_path, capsys
 def test_doctor_stays_healthy_on_real_gains_and_warns_on_a_few_shortcuts(tmp_path):
     from tether.diagnostics.doctor import diagnose_run
 
-    assert diagnose_run(write_history(tmp_path, 0, "real")).healthy
-    d = diagnose_run(write_history(tmp_path, 7, "few"))
+    d = diagnose_run(write_history(tmp_path, 0, "real"))
+    assert d.healthy and not any("shortcut check" in n or TASK_DROPPED in n for n in d.notes)
+    d = diagnose_run(write_history(tmp_path, 7, "few", eval_n=64))
     assert d.healthy and d.notes[0].startswith(f"warning ({TASK_DROPPED}): step 60: 7 of the 24")
+    # 36 of the 64 held-out problems were written to samples/: said, so a clean check is not read as complete
+    assert "the shortcut check read 36 of the 64 held-out problems" in d.notes[1]
 
 
 def test_unrecorded_or_single_evaluations_are_not_judged(tmp_path):

@@ -91,6 +91,7 @@ class Finding:
     state: str = "ok"
     p_gain: float = 1.0  # exact one-sided McNemar p of the reward's gain
     p_kept: float = 1.0  # the same with the flagged gains left out
+    eval_n: int | None = None  # held-out problems per evaluation (config.yaml eval.n), when known
 
     @property
     def share(self) -> float:
@@ -167,12 +168,27 @@ def load_evaluations(run_dir: str | Path) -> list[tuple[int, list[dict]]]:
 
 
 def judge_run(run_dir: str | Path) -> list[Finding]:
-    """Every later evaluation against the first, in step order ([] with fewer than two recorded evaluations)."""
+    """Every later evaluation against the first, in step order ([] with fewer than two recorded evaluations), each
+    knowing the run's ``eval.n`` where its config.yaml says it."""
     evaluations = load_evaluations(run_dir)
     if len(evaluations) < 2:
         return []
     (first_step, first), later = evaluations[0], evaluations[1:]
-    return [judge(first, samples, step, first_step) for step, samples in later]
+    trace = [judge(first, samples, step, first_step) for step, samples in later]
+    eval_n = _eval_n(Path(run_dir) / "config.yaml")
+    for f in trace:
+        f.eval_n = eval_n
+    return trace
+
+
+def _eval_n(path: Path) -> int | None:
+    import yaml
+
+    try:
+        n = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("eval", {}).get("n")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def examples(finding: Finding, n: int = 3) -> list[dict]:
@@ -224,9 +240,14 @@ def add_verdict(d, trace: list[Finding], prescriptions: list[dict]) -> None:
     :class:`~tether.diagnostics.doctor.Diagnosis`): an alarm is the verdict (the bands that alarmed before it go
     into its chain) unless a gold band is — a fall of the task's own truth measure stays the verdict, this becomes a
     note; a warning is a note; ok adds nothing."""
-    if not trace or trace[-1].state == "ok":
+    if not trace:
         return
     last = trace[-1]
+    if last.eval_n is not None and last.n < last.eval_n:  # eval.samples < eval.n: part of the problems only
+        d.notes.append(f"the shortcut check read {last.n} of the {last.eval_n} held-out problems (those written to "
+                       f"samples/; set eval.samples to eval.n to judge every one)")
+    if last.state == "ok":
+        return
     gold_verdict = not d.healthy and d.evidence.get("measure") in ("gold", "gold_collapse")
     if last.state == "warn" or gold_verdict:
         level = "warning" if last.state == "warn" else "also in alarm"
