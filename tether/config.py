@@ -25,14 +25,16 @@ _MISSING = dataclasses.MISSING
 def option(default: Any = _MISSING, help: str = "", *, choices: tuple | None = None,
            low: float | None = None, high: float | None = None, low_open: bool = False,
            flag: str | None = None, repeat: bool = False, default_factory: Any = _MISSING,
-           aliases: tuple[str, ...] = (), value_aliases: dict | None = None):
+           aliases: tuple[str, ...] = (), value_aliases: dict | None = None, old_flags: tuple[str, ...] = ()):
     """A documented config field. ``low``/``high`` bound numbers (``low_open``: strictly above ``low``);
     ``flag`` is its command-line flag (``None``: ``--`` + the dotted key with ``.``/``_`` as ``-``);
     ``repeat`` makes a list field take one value per use of the flag. ``aliases``: older names of the
     key, still accepted in YAML (so saved configs load) and as flags; ``value_aliases``: older spellings
-    of choices, mapped to the current one."""
+    of choices, mapped to the current one; ``old_flags``: former flags of the field, still accepted for one
+    release, hidden from --help, each use printing one deprecation line that names ``flag``."""
     meta = {"help": help, "choices": choices, "low": low, "high": high, "low_open": low_open,
-            "flag": flag, "repeat": repeat, "aliases": tuple(aliases), "value_aliases": value_aliases or {}}
+            "flag": flag, "repeat": repeat, "aliases": tuple(aliases), "value_aliases": value_aliases or {},
+            "old_flags": tuple(old_flags)}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     if isinstance(default, (list, dict)):
@@ -207,24 +209,12 @@ def load_yaml(cfg, path: str | Path) -> None:
         _set(cfg, key, value, f"{path}: key '{key}'")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
-    """Add one flag per config field (values parsed later by :func:`resolve_config`)."""
-    for key, f, tp in leaf_fields(cls):
-        help_ = f.metadata.get("help", "")
-        if f.metadata.get("choices"):
-            help_ += f" ({'|'.join(map(str, f.metadata['choices']))})"
-        default = f.default if f.default is not _MISSING else None
-        if default is not None and default != "" and not isinstance(default, list):
-            help_ += f" [default: {default}]"
-        help_ = help_.replace("%", "%%")  # argparse formats help strings with %
-        action = "append" if f.metadata.get("repeat") else "store"
-        flags = [flag_of(key, f), *alias_flags(key, f)]
-        if tp is bool:
-            parser.add_argument(*flags, dest=key, nargs="?", const="true", default=None,
-                                metavar="BOOL", help=help_)
-        else:
-            parser.add_argument(*flags, dest=key, action=action, default=None,
-                                metavar=key.split(".")[-1].upper(), help=help_)
+def add_config_flags(parser: argparse.ArgumentParser, cls, common: tuple[str, ...] | None = None) -> None:
+    """Add one flag per config field (values parsed later by :func:`resolve_config`), grouped by concern;
+    see :func:`tether.cli_flags.add_config_flags` (``common``: the flags a short ``--help`` shows)."""
+    from tether.cli_flags import add_config_flags as add
+
+    add(parser, cls, common)
 
 
 def resolve_config(cls, args: argparse.Namespace, config_path: str | None = None):

@@ -21,20 +21,23 @@ from tether.hf import DTYPE_ALIASES, DTYPES
 @dataclass
 class ModelConfig:
     policy: str = option("", "policy: a local Hugging Face causal-LM directory or a preset name", flag="--policy")
-    dtype: str = option("fp32", "compute dtype (C5): bf16/fp16 load the policy in it and run every forward and "
+    dtype: str = option("fp32", "compute dtype: bf16/fp16 load the policy in it and run every forward and "
                         "the sampling under autocast, with fp32 masters for all that trains (fp16: a loss scaler); "
                         "frozen weights (LoRA base, reference) stay in it; fp32 = no autocast",
-                        choices=tuple(DTYPES), value_aliases=DTYPE_ALIASES)
+                        choices=tuple(DTYPES), value_aliases=DTYPE_ALIASES, flag="--dtype", old_flags=("--model-dtype",))
     lora_r: int = option(0, "LoRA rank for the policy; 0 = full fine-tune (the reference is then a frozen copy)",
                          low=0, flag="--lora-r")
-    lora_alpha: int = option(16, "LoRA alpha", low=1)
-    lora_dropout: float = option(0.0, "LoRA dropout (0 keeps the first minibatch's ratio exactly 1)", low=0, high=1)
+    lora_alpha: int = option(16, "LoRA alpha", low=1, flag="--lora-alpha", old_flags=("--model-lora-alpha",))
+    lora_dropout: float = option(0.0, "LoRA dropout (0 keeps the first minibatch's ratio exactly 1)", low=0, high=1,
+                                 flag="--lora-dropout", old_flags=("--model-lora-dropout",))
     lora_target_modules: str = option("all-linear", "LoRA target modules: 'all-linear' or comma-separated module "
-                                      "names", aliases=("lora_target",))
+                                      "names", aliases=("lora_target",), flag="--lora-target-modules",
+                                      old_flags=("--model-lora-target-modules", "--model-lora-target"))
     export_lora: str = option("merged", "the final policy of a LoRA run: 'merged' (a plain model) or 'adapter' (the "
-                              "adapter alone, for peft over the base); in --model-dtype either way",
+                              "adapter alone, for peft over the base); in --dtype either way",
                               choices=("merged", "adapter"), flag="--export-lora")
-    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass",
+                                          flag="--gradient-checkpointing", old_flags=("--model-gradient-checkpointing",))
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
 
 
@@ -50,7 +53,7 @@ class DataConfig:
     eval_prompts: str = option("", "held-out prompt file for evaluation; empty = split off --eval-fraction",
                                flag="--eval-prompts")
     eval_fraction: float = option(0.0, "share of --prompts held out for evaluation when --eval-prompts is empty",
-                                  low=0.0, high=0.5)
+                                  low=0.0, high=0.5, flag="--eval-fraction", old_flags=("--data-eval-fraction",))
     chat_template: str = option("auto", "wrap prompts in the tokenizer's chat template",
                                 choices=("auto", "on", "off"))
     max_prompt_length: int = option(256, "prompts longer than this (tokens) are cut from the left", low=1)
@@ -63,13 +66,13 @@ class DataConfig:
 
 @dataclass
 class GenerationConfig:
-    engine: str = option("transformers", "rollout engine (C3): 'transformers' generate on the trained policy "
+    engine: str = option("transformers", "rollout engine: 'transformers' generate on the trained policy "
                          "(any device), or 'vllm' (optional install; one engine per process, or per --engine-tp "
                          "processes; synced block by block before each rollout)",
                          choices=("transformers", "vllm"), flag="--engine")
     engine_tp: int = option(1, "--engine vllm: processes per engine, tensor parallel (vLLM's external_launcher); must "
                             "divide the training processes; 1 = one engine per process", low=1, flag="--engine-tp")
-    rollout_processes: int = option(0, "disaggregated layout (C4): the last R launched processes only generate, each "
+    rollout_processes: int = option(0, "disaggregated layout: the last R launched processes only generate, each "
                                     "with its own --engine, and take the weights from the trainers after every "
                                     "update (layer by layer); 0 = every process trains and generates",
                                     low=0, flag="--rollout-processes")
@@ -83,7 +86,7 @@ class GenerationConfig:
                         "(docs/sampling.md)", low=0, flag="--top-k")
     min_new_tokens: int = option(0, "EOS is not sampled before this many tokens, and log-probs are scored with "
                                  "it masked there too (benchmarks use it to fix the response length)", low=0)
-    async_rollout: int = option(0, "one-step-off rollout (C7; needs --rollout-processes): the rollout processes "
+    async_rollout: int = option(0, "one-step-off rollout (needs --rollout-processes): the rollout processes "
                                 "sample step t+1's batch with the weights step t starts from while the trainers train "
                                 "step t (staleness 1 update, rollout/staleness); the behaviour log-probs are the "
                                 "engine's (--rollout-correction); 0 = synchronous", choices=(0, 1),
@@ -92,7 +95,7 @@ class GenerationConfig:
 
 @dataclass
 class CorrectionConfig:
-    mode: str = option("none", "off-policy correction of the sampler-trainer mismatch (B19), from the engine's "
+    mode: str = option("none", "off-policy correction of the sampler-trainer mismatch, from the engine's "
                        "per-token log-probs kept beside the trainer's: 'tis' weights each token's policy loss by "
                        "min(pi_old / pi_engine, correction.cap); 'mis' also gives weight 0 to every sequence whose "
                        "mismatch (its mean per-token KL(pi_engine || pi_old)) passes correction.bound; 'none' = no "
@@ -107,7 +110,7 @@ class CorrectionConfig:
 class RewardConfig:
     sources: list[str] = option([], "a reward-model directory or a rule module:function[:key=value,...]; "
                                 "repeatable", flag="--reward", repeat=True)
-    ensemble: str = option("mean", "how several reward models combine (A8)", choices=("mean", "min"))
+    ensemble: str = option("mean", "how several reward models combine", choices=("mean", "min"))
     length_penalty: float = option(0.0, "alpha in r' = r - alpha * response tokens", low=0.0,
                                    flag="--length-penalty")
     missing_eos_penalty: float = option(0.0, "subtracted from the score of responses with no EOS", low=0.0,
@@ -121,7 +124,7 @@ class RewardConfig:
     gold: str = option("auto", "rule used for eval/accuracy: module:function, 'auto' (the math rule when "
                        "prompts carry an answer) or 'none'", flag="--gold")
     batch_size: int = option(64, "reward-model scoring batch size", low=1)
-    process: str = option("per_step", "how a process reward model's step scores become rewards (A9): per_step "
+    process: str = option("per_step", "how a process reward model's step scores become rewards: per_step "
                           "(each step's min(p - threshold, 0) on the token that ends it), min (the worst step's p "
                           "on the last token) or last (the last step's p, ORM-like)",
                           choices=AGGREGATIONS, flag="--prm-reward")
@@ -132,14 +135,15 @@ class RewardConfig:
 @dataclass
 class KLConfig:
     coef: float = option(0.05, "initial beta of the per-token KL penalty", low=0.0, flag="--kl-coef")
-    estimator: str = option("k1", "per-token KL estimator (B5)", choices=("k1", "k2", "k3"),
+    estimator: str = option("k1", "per-token KL estimator", choices=("k1", "k2", "k3"),
                             flag="--kl-estimator")
     k3_clip: float = option(K3_CLIP, "k3 per token clipped to at most this, as veRL and OpenRLHF do (kl.estimator "
                             "k3, and the k3 loss term of --kl-in loss); 0 = off, as TRL", low=0.0, flag="--kl-k3-clip")
-    controller: str = option("fixed", "beta controller (B11)", choices=("fixed", "adaptive", "proportional"),
+    controller: str = option("fixed", "beta controller", choices=("fixed", "adaptive", "proportional"),
                              flag="--kl-controller")
     target: float = option(0.01, "target per-token KL to the reference for the adaptive/proportional controller "
-                           "(not the epoch early stop: ppo.target_kl)", low=0.0, low_open=True, flag="--target-kl")
+                           "(not the PPO epoch early stop: --ppo-early-stop-kl)", low=0.0, low_open=True, flag="--kl-target",
+                           old_flags=("--target-kl",))
     horizon: float = option(10000.0, "proportional controller horizon (in samples)", low=1.0)
     penalty_in: str = option("reward", "where the tether acts: 'reward' (-beta * KL_t on each token's reward, "
                              "kl.estimator; the objective is reward - beta * KL) or 'loss' (beta * k3(pi, pi_ref) "
@@ -155,7 +159,7 @@ class GAEConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = option("gae", "advantage estimator (B7, B17): 'gae' with a critic; critic-free (no critic "
+    estimator: str = option("gae", "advantage estimator: 'gae' with a critic; critic-free (no critic "
                             "built): 'rloo' (minus the mean of the prompt's other samples), 'grpo' (group z-score), "
                             "'dr_grpo' (minus the group mean; loss over a constant length), 'reinforce_pp' "
                             "(REINFORCE++: batch-whitened returns); docs/group-baselines.md",
@@ -170,14 +174,14 @@ class AdvantageConfig:
 
 @dataclass
 class DifficultyConfig:
-    filter_groups: bool = option(False, "dynamic sampling (DAPO; B18): a group whose kept scores have no spread (all "
+    filter_groups: bool = option(False, "dynamic sampling (DAPO): a group whose kept scores have no spread (all "
                                  "equal: every group baseline gives it advantage 0) is dropped and more prompts are "
                                  "drawn until the step holds --batch-size groups with spread; needs "
                                  "--samples-per-prompt >= 2", flag="--filter-groups")
     max_rounds: int = option(4, "--filter-groups: extra draws of --batch-size prompts at most per step; reached, the "
                              "step trains on the groups it has (filter/groups_short, one warning line)", low=0,
                              flag="--filter-max-rounds")
-    curriculum: bool = option(False, "an online prompt curriculum (B18): each prompt's pass rate over its last "
+    curriculum: bool = option(False, "an online prompt curriculum: each prompt's pass rate over its last "
                               "difficulty.memory visits is remembered (checkpointed); prompts that passed all or none "
                               "of their samples in every remembered visit are drawn with weight "
                               "difficulty.min_weight instead of 1, never excluded", flag="--curriculum")
@@ -199,7 +203,7 @@ class PPOConfig:
     clip_range_value: float = option(0.2, "epsilon_v of value clipping; 0 = off", low=0.0)
     vf_coef: float = option(0.5, "c1: weight of the value loss", low=0.0)
     entropy_coef: float = option(0.0, "c2: entropy bonus weight", low=0.0)
-    whiten_advantages: bool = option(True, "z-score GAE's advantages over the batch's valid tokens (B8); the "
+    whiten_advantages: bool = option(True, "z-score GAE's advantages over the batch's valid tokens; the "
                                      "critic-free estimators do what theirs prescribes (reinforce_pp always, the "
                                      "group baselines never)")
     packing: bool = option(False, "pack every policy and reference forward: each distinct prompt once, followed by "
@@ -212,7 +216,8 @@ class PPOConfig:
                               "early_stop_factor x target_kl (false: every epoch runs)")
     target_kl: float = option(0.01, "approx KL to pi_old (per token) the epoch early stop is measured against "
                               "(CleanRL's target_kl; kl.target is the controller's, a KL to the reference); > 0, "
-                              "the stop is turned off by ppo.early_stop false", low=0.0, low_open=True)
+                              "the stop is turned off by --ppo-early-stop false", low=0.0, low_open=True, flag="--ppo-early-stop-kl",
+                              old_flags=("--ppo-target-kl",))
     early_stop_factor: float = option(1.5, "early-stop threshold in units of ppo.target_kl", low=0.0,
                                       low_open=True)
 
@@ -226,7 +231,7 @@ class CriticConfig:
     head: str = option("mlp", "value head architecture", choices=("linear", "mlp"))
     lora_r: int = option(0, "LoRA rank of a separate critic's backbone (frozen, in model.dtype; adapter and head "
                          "train); 0 = the whole critic trains", low=0, flag="--critic-lora-r")
-    warmup_steps: int = option(0, "first K steps update the critic only (B6)", low=0,
+    warmup_steps: int = option(0, "first K steps update the critic only", low=0,
                                flag="--critic-warmup-steps")
 
 
@@ -235,15 +240,19 @@ class OptimConfig:
     lr: float = option(1e-5, "actor learning rate", low=0.0, low_open=True, flag="--lr")
     critic_lr: float = option(5e-5, "critic learning rate (typically 5-10x the actor's)", low=0.0,
                               low_open=True, flag="--critic-lr")
-    weight_decay: float = option(0.0, "AdamW weight decay", low=0.0)
+    weight_decay: float = option(0.0, "AdamW weight decay", low=0.0, flag="--weight-decay",
+                                 old_flags=("--optim-weight-decay",))
     adam_eps: float = option(1e-8, "AdamW epsilon", low=0.0, low_open=True)
     fused_adamw: bool = option(False, "torch's fused AdamW kernel (3x faster optimizer step, ~3% of a 10.7M update "
                                "on CPU; off by default: it rounds differently from the default foreach kernel, "
                                "so a run would not repeat the figures measured with it off); not under FSDP2",
                                flag="--fused-adamw")
-    max_grad_norm: float = option(1.0, "gradient-norm clip per model; 0 = off", low=0.0)
-    warmup_steps: int = option(0, "LR warm-up in optimiser steps", low=0)
-    schedule: str = option("constant", "LR schedule after warm-up", choices=("constant", "linear", "cosine"))
+    max_grad_norm: float = option(1.0, "gradient-norm clip per model; 0 = off", low=0.0, flag="--max-grad-norm",
+                                  old_flags=("--optim-max-grad-norm",))
+    warmup_steps: int = option(0, "LR warm-up in optimiser steps", low=0, flag="--warmup-steps",
+                               old_flags=("--optim-warmup-steps",))
+    schedule: str = option("constant", "LR schedule after warm-up", choices=("constant", "linear", "cosine"),
+                           flag="--lr-scheduler", old_flags=("--optim-schedule",))
 
 
 @dataclass

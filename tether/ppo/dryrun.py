@@ -47,11 +47,11 @@ def launch_checklist(cfg) -> list[CheckItem]:
                   f"eps_v {p.clip_range_value:g}" if p.clip_range_value else "off",
                   "eps_v 0.2", p.clip_range_value > 0 or critic_free, "***"),
         CheckItem("early stop by KL",
-                  f"{p.early_stop_factor:g} x target_kl {p.target_kl:g}, every epoch" if p.early_stop else "off",
+                  f"{p.early_stop_factor:g} x --ppo-early-stop-kl {p.target_kl:g}, every epoch" if p.early_stop else "off",
                   "checked every epoch", p.early_stop, "***"),
         CheckItem("held-out evaluation", f"every {cfg.eval.every} steps" if cfg.eval.every else "off",
                   "every N steps", cfg.eval.every > 0 and bool(cfg.data.eval_prompts or cfg.data.eval_fraction), "***"),
-        CheckItem("old log-probs recomputed train-side", "always (B2)", "recomputed by the trainer", True, "***"),
+        CheckItem("old log-probs recomputed train-side", "always", "recomputed by the trainer", True, "***"),
         CheckItem("critic warm-up", "no critic" if critic_free else
                   f"{cfg.critic.warmup_steps} steps" if cfg.critic.warmup_steps else "off",
                   "a few critic-only steps first", cfg.critic.warmup_steps > 0 or critic_free, "**"),
@@ -69,7 +69,7 @@ def launch_checklist(cfg) -> list[CheckItem]:
 def format_checklist(items: list[CheckItem]) -> str:
     width = max(len(i.name) for i in items)
     set_width = max(len(i.setting) for i in items)
-    lines = ["launch checklist (reference 000 §D.7):"]
+    lines = ["launch checklist (the usual PPO safeguards; *** matters most):"]
     for i in items:
         mark = "ok " if i.ok else "-- "
         advice = "" if i.ok else f"   recommended: {i.recommended}"
@@ -122,7 +122,7 @@ def dry_run(cfg) -> str:
              + ("" if has_rm else "; this run's rewards are rules, so the RM row is memory it will not use") + "):"]
     levers_note = ("(levers are `tether plan` flags; in `tether ppo` today: --lora-r, --critic head, --critic none = "
                    "--advantage rloo|grpo|dr_grpo|reinforce_pp, --batch-size, "
-                   "--model-gradient-checkpointing; ZeRO and offload are not there yet)")
+                   "--gradient-checkpointing; ZeRO and offload are not there yet)")
     checklist = format_checklist(launch_checklist(cfg))
     engines = format_engine_plan(engine_plan(shape, plan_cfg), plan_cfg)
     return "\n".join(notes) + "\n" + format_plan(shape, plan_cfg, result, levers(shape, plan_cfg, result["peak"])) \

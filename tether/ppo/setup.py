@@ -276,7 +276,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     if processes.fsdp is not None and precision.dtype == torch.float16:
         # GradScaler decides to skip a step from the gradients it sees: under FSDP2 each process sees only its
         # shard, so processes could disagree on skipping and on the next scale.
-        raise TetherError("--model-dtype fp16 under FSDP2: not supported (the loss scaler would need a "
+        raise TetherError("--dtype fp16 under FSDP2: not supported (the loss scaler would need a "
                           "cross-process inf check); use bf16, or fp16 with DDP")
 
     train_rows, eval_rows = load_prompt_sets(cfg, given)

@@ -29,7 +29,7 @@ from tether.ppo.export import export_policy
 from tether.ppo.inputs import detached, resolve_inputs
 from tether.ppo.resume import (check_same_config, checkpoint, checkpoint_due, from_health_book, health_book,
                                load_weights, restore, start_in_place)
-from tether.ppo.runlog import RunLog
+from tether.ppo.runlog import Progress, RunLog
 from tether.ppo.step import ppo_step
 from tether.rollout.layout import launch_layout
 from tether.rollout.server import serve
@@ -95,8 +95,6 @@ class PPOTrainer:
 
     def __init__(self, config, reward=None, prompts=None, eval_prompts=None, callbacks=(), resume: bool = False,
                  gold=None):
-        from tqdm.auto import tqdm
-
         from tether.diagnostics.health import HealthMonitor
         from tether.ppo.setup import setup
 
@@ -124,15 +122,15 @@ class PPOTrainer:
             self.monitor.update(row["step"], row)
         # saved while no band was in alarm; the streak of steps with every update skipped (both in the checkpoints)
         self.healthy_checkpoints, self.skip_streak = from_health_book(book, self.run_dir)
-        self.bar = tqdm(desc="ppo", initial=self.steps_done, total=cfg.steps, dynamic_ncols=True,
-                        disable=not (cfg.progress and run.processes.is_main))
+        self.bar = Progress(run, cfg, self.steps_done)  # the start-up summary; per step a bar or a plain line
         self.last_save = time.monotonic()
         self.stopped: str | None = None   # why the run stops before cfg.steps: a callback's reason or ALARM
         self.last_row: dict = {}
         self.result: TrainResult | None = None
         if cfg.eval.every and cfg.eval.at_start and self.steps_done == 0:
             with self.log.closed_on_error():
-                self.log.metrics({"step": 0, **self.evaluated(0)})
+                self.log.metrics(row0 := {"step": 0, **self.evaluated(0)})
+                self.bar.evaluated(row0)
 
     @property
     def is_rollout_process(self) -> bool:
@@ -169,10 +167,7 @@ class PPOTrainer:
             self.callbacks("on_alert", alert)
         note_non_finite(log, step, notes, self.skip_streak, cfg.health.max_skipped_steps)
         self.steps_done, self.last_row = step, row
-        self.bar.update(1)
-        # no score or KL: the step kept no row
-        self.bar.set_postfix(score=_shown(row.get("objective/scores"), ".3f"),
-                             kl=_shown(row.get("objective/kl"), ".4f"), beta=f"{row['objective/kl_coef']:.3g}")
+        self.bar.step(row)  # its line (or the bar), and the evaluation line when it evaluated
         # The main process decides (only it has the evaluation metrics the gold band reads), every process follows.
         alarm = run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback))
         stop = run.processes.broadcast(self.callbacks.stop_reason)
@@ -300,7 +295,3 @@ def check_ranks_in_sync(run, log: RunLog, run_dir: Path) -> bool:
     if not in_sync:
         log.print("[ddp] warning: ranks hold different weights")
     return in_sync
-
-
-def _shown(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)

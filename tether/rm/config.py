@@ -96,7 +96,7 @@ class RewardTrainingConfig:
                           choices=("auto", "last_token", "mean", "model"), flag="--pooling")
     disable_dropout: bool = option(False, "set every dropout probability to 0 during training (as TRL does), so "
                                    "chosen and rejected see the same network", flag="--disable-dropout")
-    process: bool = option(False, "train a process reward model (A9): step-labelled data, one score per step, "
+    process: bool = option(False, "train a process reward model: step-labelled data, one score per step, "
                            "per-step binary cross-entropy (see docs/process-reward.md)", flag="--process")
     norm_sample: int = option(1000, "train pairs added to the held-out ones for the score mean/std", low=0,
                               flag="--norm-sample")

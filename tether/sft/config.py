@@ -1,6 +1,6 @@
 """The ``tether sft`` config (Stage 0): one dataclass, nested by concern, every field documented once.
 
-Names match the other stages where the concept is the same: ``model.dtype`` is ``--model-dtype`` (fp32/bf16/fp16
+Names match the other stages where the concept is the same: ``model.dtype`` is ``--dtype`` (fp32/bf16/fp16
 compute, fp32 masters), ``model.lora_*`` and ``--export-lora`` as in PPO, ``--system-prompt``/``--prompt-template``
 with PPO's meaning (so the policy is fine-tuned on the context PPO will prompt it with), ``optim.*`` as in train-rm.
 """
@@ -20,19 +20,21 @@ SCHEDULES = ("constant", "linear", "cosine")
 class ModelConfig:
     path: str = option("", "the model to fine-tune: a local Hugging Face causal-LM directory or a preset name",
                        flag="--model")
-    dtype: str = option("fp32", "compute dtype (C5): bf16/fp16 run every forward under autocast with fp32 masters "
+    dtype: str = option("fp32", "compute dtype: bf16/fp16 run every forward under autocast with fp32 masters "
                         "for all that trains (fp16: a loss scaler); a LoRA base is loaded and kept in it; the "
-                        "exported policy is written in it", choices=tuple(DTYPES), flag="--model-dtype",
-                        value_aliases=DTYPE_ALIASES)
+                        "exported policy is written in it", choices=tuple(DTYPES), flag="--dtype",
+                        value_aliases=DTYPE_ALIASES, old_flags=("--model-dtype",))
     lora_r: int = option(0, "LoRA rank; 0 = full fine-tune", low=0, flag="--lora-r")
-    lora_alpha: int = option(16, "LoRA alpha", low=1)
-    lora_dropout: float = option(0.0, "LoRA dropout", low=0, high=1)
+    lora_alpha: int = option(16, "LoRA alpha", low=1, flag="--lora-alpha", old_flags=("--model-lora-alpha",))
+    lora_dropout: float = option(0.0, "LoRA dropout", low=0, high=1, flag="--lora-dropout",
+                                 old_flags=("--model-lora-dropout",))
     lora_target_modules: str = option("all-linear", "LoRA target modules: 'all-linear' or comma-separated module "
-                                      "names")
+                                      "names", flag="--lora-target-modules", old_flags=("--model-lora-target-modules",))
     export_lora: str = option("merged", "the output of a LoRA run: 'merged' (a plain model) or 'adapter' (the "
-                              "adapter alone, for peft over the base); in --model-dtype either way",
+                              "adapter alone, for peft over the base); in --dtype either way",
                               choices=("merged", "adapter"), flag="--export-lora")
-    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass",
+                                          flag="--gradient-checkpointing", old_flags=("--model-gradient-checkpointing",))
     disable_dropout: bool = option(False, "set every dropout probability to 0 (the model's own settings otherwise)",
                                    flag="--disable-dropout")
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
@@ -71,9 +73,9 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = option(2e-5, "AdamW learning rate", low=0.0, low_open=True, flag="--lr")
-    epochs: int = option(1, "passes over the training rows (when --max-steps is 0)", low=1, flag="--epochs")
+    epochs: int = option(1, "passes over the training rows (when --steps is 0)", low=1, flag="--epochs")
     max_steps: int = option(0, "optimiser steps of the run, epochs continuing as needed; 0 = --epochs passes",
-                            low=0, flag="--max-steps")
+                            low=0, flag="--steps", old_flags=("--max-steps",))
     batch_size: int = option(8, "sequences per micro-batch (one forward pass), per process", low=1,
                              flag="--batch-size")
     grad_accumulation: int = option(1, "micro-batches per optimiser step, per process", low=1,
@@ -85,10 +87,11 @@ class OptimConfig:
     warmup_ratio: float = option(0.0, "share of the steps with linear warm-up", low=0.0, high=1.0,
                                  flag="--warmup-ratio")
     schedule: str = option("linear", "LR schedule after warm-up (to 0 at the last step: linear, cosine)",
-                           choices=SCHEDULES, flag="--lr-schedule")
+                           choices=SCHEDULES, flag="--lr-scheduler", old_flags=("--lr-schedule",))
     max_grad_norm: float = option(1.0, "gradient-norm clip; 0 = off", low=0.0, flag="--max-grad-norm")
     max_skipped_steps: int = option(3, "consecutive steps with a non-finite loss or gradient (update skipped) that "
-                                    "stop the run", low=1)
+                                    "stop the run", low=1, flag="--max-skipped-steps",
+                                    old_flags=("--optim-max-skipped-steps",))
 
 
 @dataclass

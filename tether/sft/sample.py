@@ -45,7 +45,7 @@ from tether.hf import DTYPE_ALIASES, DTYPES
 class SampleModel:
     policy: str = option("", "the policy that samples: a local causal-LM directory or a preset name", flag="--policy")
     dtype: str = option("fp32", "compute dtype of the sampling (bf16/fp16 under autocast)", choices=tuple(DTYPES),
-                        flag="--model-dtype", value_aliases=DTYPE_ALIASES)
+                        flag="--dtype", value_aliases=DTYPE_ALIASES, old_flags=("--model-dtype",))
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
 
 
@@ -70,7 +70,8 @@ class SampleData:
 class SampleGeneration:
     engine: str = option("transformers", "rollout engine: 'transformers' generate, or 'vllm' (optional install)",
                          choices=("transformers", "vllm"), flag="--engine")
-    engine_tp: int = option(1, "vLLM tensor parallelism (processes per engine); 1 here", low=1, high=1)
+    engine_tp: int = option(1, "vLLM tensor parallelism (processes per engine); 1 here", low=1, high=1,
+                           flag="--engine-tp", old_flags=("--generation-engine-tp",))
     max_new_tokens: int = option(256, "sample length cap; samples cut here did not end with EOS", low=1,
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature (softmax(logits / T), nothing truncated)", low=0.0,
