@@ -251,7 +251,8 @@ def test_from_pretrained_rejects_what_is_not_a_tether_reward_model(gpt2_dir, tmp
     (tmp_path / "empty").mkdir()
     with pytest.raises(TetherError, match=r"empty: not a Hugging Face model directory \(no config.json\)"):
         RewardModel.from_pretrained(tmp_path / "empty")
-    with pytest.raises(TetherError, match=r"not a tether reward model \(no tether_reward.json\)"):
+    with pytest.raises(TetherError, match=r"not a reward model \(no tether_reward.json, and a \w+, not a one-output "
+                                          r"AutoModelForSequenceClassification\)"):
         RewardModel.from_pretrained(gpt2_dir)
 
 

@@ -134,3 +134,60 @@ def test_a_ppo_run_calls_trl_reward_functions_with_the_rollouts_tokens_and_colum
         assert tokenizer.decode(row_ids, skip_special_tokens=True) == completion[0]["content"]
         assert (row_ids[-1] == tokenizer.eos_token_id) == done  # up to and including EOS, as TRL passes them
         assert 1 <= len(row_ids) <= cfg.generation.max_new_tokens
+
+
+# ------------------------------------------------------------------------------------ a reward model trained by TRL
+def make_trl_reward_model(root, seed=0):
+    """What TRL's RewardTrainer leaves: AutoModelForSequenceClassification (num_labels=1) and its tokenizer,
+    saved with save_pretrained, no tether_reward.json."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from tether.demo.task import build_tokenizer
+
+    path = root / "trl_rm"
+    tokenizer = build_tokenizer(padding_side="right")
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=2, n_head=2, num_labels=1,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(seed)
+    model = GPT2ForSequenceClassification(config).eval()
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # a head that tells texts apart
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer
+
+
+def test_a_trl_reward_model_is_a_reward_source_scored_raw_and_says_so(tmp_path, capsys):
+    from tether.ppo.sources import RewardModelSource, build_sources
+
+    path, model, tokenizer = make_trl_reward_model(tmp_path)
+    assert not (path / "tether_reward.json").exists()
+    prompts, responses = ["1+2=", "3+4=", "5+6="], ["3", "77", "11 "]
+    with torch.no_grad():  # the model's own forward, one text at a time: TRL's logit, no padding involved
+        expected = [model(**tokenizer(p + r, return_tensors="pt")).logits[0, 0].item()
+                    for p, r in zip(prompts, responses)]
+    capsys.readouterr()
+    sources = build_sources([str(path)], device="cpu")
+    assert len(sources) == 1 and isinstance(sources[0], RewardModelSource)
+    assert sources[0](prompts, responses, {}).tolist() == pytest.approx(expected, abs=1e-5)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tether_reward.json" in err[0] and "scored raw" in err[0]
+
+
+def test_a_causal_lm_as_reward_is_one_line_saying_what_it_is(tmp_path):
+    from tether.rm.model import RewardModel
+
+    policy = make_policy_dir(tmp_path)
+    with pytest.raises(TetherError, match=r"not a reward model \(no tether_reward.json, and a GPT2LMHeadModel, not a "
+                                          r"one-output AutoModelForSequenceClassification\); train one with tether "
+                                          r"train-rm"):
+        RewardModel.from_pretrained(policy, device="cpu")
+
+
+def test_a_ppo_run_takes_a_trl_reward_model_directory(tmp_path):
+    path, _, _ = make_trl_reward_model(tmp_path)
+    policy, prompts = make_policy_dir(tmp_path), make_prompts_file(tmp_path, n=8)
+    cfg = tiny_config(tmp_path, policy, prompts, steps=1, batch_size=4)
+    cfg.reward.sources = [str(path)]
+    rows = [json.loads(line) for line in (tether.PPOTrainer(cfg).train().run_dir / "metrics.jsonl").open()]
+    assert math.isfinite(rows[-1]["objective/scores"])

@@ -125,8 +125,9 @@ class RewardModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None) -> "RewardModel":
-        """Load a directory written by ``tether train-rm``; TetherError if it is not one, or if it holds a
-        process reward model (whose scores are read per step: :class:`tether.rm.process.ProcessRewardModel`)."""
+        """Load a directory written by ``tether train-rm`` — or a one-output sequence classifier saved by another
+        library (TRL's ``RewardTrainer``), scored raw (:func:`foreign_reward_model`); TetherError if it is neither,
+        or if it holds a process reward model (whose scores are read per step: :class:`tether.rm.process.ProcessRewardModel`)."""
         rm = load_reward_dir(path, device, dtype)
         if rm.metadata.get("kind") == "process":
             raise TetherError(f"{path}: a process reward model (train-rm --process); load it with "
@@ -191,7 +192,7 @@ def load_reward_dir(path: str | Path, device: str | torch.device | None = None,
     path = resolve_model_path(str(path), what="reward model")
     meta_path = path / METADATA_FILE
     if not meta_path.is_file():
-        raise TetherError(f"{path}: not a tether reward model (no {METADATA_FILE})")
+        return foreign_reward_model(path, device, dtype)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         text_format = TextFormat(**meta["text_format"])
@@ -204,6 +205,35 @@ def load_reward_dir(path: str | Path, device: str | torch.device | None = None,
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     return RewardModel(model, tokenizer, text_format, meta.get("pooling"), mean, std, meta)
+
+
+RAW_SCORES_NOTE = ("no {file} (a reward model trained by TRL or another library): scored raw, the head's output as "
+                   "it is, not standardised; --normalize batch standardises each batch's scores")
+
+
+def foreign_reward_model(path: Path, device=None, dtype=None) -> RewardModel:
+    """A reward model saved by another library — TRL's ``RewardTrainer`` saves an
+    ``AutoModelForSequenceClassification`` with ``num_labels=1`` and its tokenizer, nothing more — scored **raw**
+    (mean 0, std 1: z = r), as TRL's trainers use a reward model's logit; one line on stderr says so. Text is
+    formatted as TRL's reward trainer formats it: the tokenizer's chat template when it has one, else prompt +
+    reply. A directory that is not a one-output sequence classifier is a one-line error saying what it is."""
+    import sys
+
+    config = json.loads((path / "config.json").read_text(encoding="utf-8")) if (path / "config.json").is_file() else {}
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        what = f"a {architectures[0]}" if architectures else "not a model with a classification head"
+        raise TetherError(f"{path}: not a reward model (no {METADATA_FILE}, and {what}, not a one-output "
+                          f"AutoModelForSequenceClassification); train one with tether train-rm --model {path}")
+    tokenizer = load_tokenizer(path, need_pad=False, need_fast=True)
+    model, _ = load_sequence_classifier(path, dtype=dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    limit = getattr(tokenizer, "model_max_length", 1024)
+    text_format = choose_format(tokenizer, max_length=min(int(limit), 1024) if limit else 1024)
+    print(f"reward model {path}: " + RAW_SCORES_NOTE.format(file=METADATA_FILE), file=sys.stderr)
+    meta = {"origin": "no tether metadata", "normalization": {"mean": 0.0, "std": 1.0, "sample": "none (raw scores)"}}
+    return RewardModel(model, tokenizer, text_format, None, 0.0, 1.0, meta)
 
 
 class RewardEnsemble:
