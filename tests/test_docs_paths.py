@@ -146,3 +146,35 @@ def test_a_wrong_flag_or_path_is_caught():
     assert not (REPO / "tether/reward_model.py").exists()
     assert command_lines("```bash\ntether ppo --steps 3 \\\n    --lr 1e-5  # a comment\nls && tether doctor runs/x\n```\n") \
         == [["ppo", "--steps", "3", "--lr", "1e-5"], ["doctor", "runs/x"]]
+
+
+def architecture_tree() -> set[str]:
+    """The package files docs/architecture.md's tree names: `  core/` opens a folder, `    gae.py` is in it."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = next(b for b in FENCE.findall(text) if b.startswith("tether/"))
+    names, folder = set(), ""
+    for line in block.splitlines()[1:]:
+        if not line.startswith("  "):
+            break  # tests/, bench/...: past the package
+        depth, name = (len(line) - len(line.lstrip())) // 2, line.split()[0]
+        if depth == 1:
+            folder = name if name.endswith("/") else ""
+            if not folder:
+                names.add(f"tether/{name}")
+        elif folder:
+            names.add(f"tether/{folder}{name}")
+    return names
+
+
+def test_the_architecture_page_has_a_line_for_every_package_file():
+    """One line per file (the annotated tree that once was the README's): a file added to the package and not to the
+    tree, or a line for a file that is gone, fails here."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "tether"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    files = {f for f in tracked if f.endswith(".py") and not f.endswith("/__init__.py") or f == "tether/__init__.py"}
+    named = architecture_tree()
+    assert not files - named, f"docs/architecture.md has no line for {sorted(files - named)}"
+    assert not {n for n in named if not (REPO / n).exists()}, "docs/architecture.md names files that are gone"
