@@ -695,32 +695,149 @@ def test_gain_since_first_by_hand():
     assert h.gain_since_first() == (2, 1, 0.5)
 
 
-def test_reward_without_gold_is_a_note_when_the_reward_rises_and_gold_does_not():
-    """Recipe 5's β = 0.2 run in small: a reward model's held-out score rises 0.13 -> 0.82 while the task's check
-    goes 76 -> 74 of 200 (+8 / −10 on the same problems; exact one-sided p of a gain P[X >= 8 | 18, 1/2] =
-    0.760). Nothing fell significantly, so no band alarms; a note says the reward's gain bought no task. When the
-    reward is the check itself (eval/reward = accuracy) or gold rose, there is no such note."""
+def held_out_rows(gained: int, lost: int, rewards: list[float] | None, reward_std: float | None = 0.3) -> list[dict]:
+    """healthy_rows with the held-out evaluations of short_answer_rows (without its KL tail): 76 of 200 right at the
+    first, ``gained`` / ``lost`` problems changed at every later one; ``rewards`` at the evaluations (None: the
+    accuracy) and ``reward_std`` their spread over the prompts (None: not logged)."""
+    evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in short_answer_rows(gained, lost)]
+    rows = healthy_rows()
+    for r, e in zip(rows, evals):
+        r.update(e)
+    for i, r in enumerate(r for r in rows if "eval/accuracy" in r):
+        if rewards is not None:
+            r["eval/reward"] = rewards[i]
+        if reward_std is not None:
+            r["eval/reward_std"] = reward_std
+    return rows
+
+
+def test_reward_without_gold_is_a_warning_when_the_reward_rises_significantly_and_gold_does_not():
+    """Recipe 5's β = 0.2 run in small: a reward model's held-out score rises 0.13 -> 0.82 (spread 0.3 over the 200
+    prompts: z = 0.69 / sqrt(2 · 0.3² / 200) = 23) while the task's check goes 76 -> 74 of 200 (+8 / −10 on the same
+    problems; exact one-sided p of a gain P[X >= 8 | 18, 1/2] = 0.760). Nothing fell significantly, so no band
+    alarms; the headline is a WARNING, never "HEALTHY …, but". When the reward is the check itself or gold rose,
+    there is no such note."""
     finished = {"steps": N}
-
-    def rows_with(gained, lost, rewards):  # the held-out evaluations of short_answer_rows, without its KL tail
-        evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in short_answer_rows(gained, lost)]
-        rows = healthy_rows()
-        for r, e in zip(rows, evals):
-            r.update(e)
-        for r, reward in zip((r for r in rows if "eval/accuracy" in r), rewards or []):
-            r["eval/reward"] = reward
-        return rows
-
     n_evals = sum("eval/accuracy" in r for r in short_answer_rows(0, 0))
     rising = [0.13 + 0.69 * i / (n_evals - 1) for i in range(n_evals)]
-    d = diagnose(rows_with(8, 10, rising), run_config=finished)
+    d = diagnose(held_out_rows(8, 10, rising), run_config=finished)
     note = next(n for n in d.notes if n.startswith("reward without gold"))
-    assert "0.13 -> 0.82" in note and "38% -> 37%" in note
+    z = 0.69 / math.sqrt(2 * 0.3 ** 2 / 200)
+    assert "0.13 -> 0.82" in note and "38% -> 37%" in note and f"z = {z:.1f} standard errors" in note
     assert "8 wrong -> right, 10 right -> wrong, p of a gain = 0.76" in note
-    assert d.healthy and "reward without gold" in d.summary()
-    assert "but not learning the task by its gold check" in format_diagnosis(d).splitlines()[0]
-    for rows in (rows_with(8, 10, None), rows_with(20, 0, rising)):  # reward = gold; gold rose with the reward
+    assert d.healthy and d.level == "WARNING" and d.summary() == "warning (60 steps, no band in alarm; reward without gold)"
+    assert format_diagnosis(d).splitlines()[0] == ("WARNING: reward without gold (below); no band reached its alarm "
+                                                   "in 60 steps")
+    assert "HEALTHY" not in format_diagnosis(d) and d.to_dict()["level"] == "WARNING"
+    for rows in (held_out_rows(8, 10, None), held_out_rows(20, 0, rising)):  # reward = gold; gold rose with the reward
         assert not any(n.startswith("reward without gold") for n in diagnose(rows, run_config=finished).notes)
     # a significant fall with the reward up is reward hacking, named by the gold band, not a note
-    d = diagnose(rows_with(0, 30, rising), run_config=finished)
+    d = diagnose(held_out_rows(0, 30, rising), run_config=finished)
     assert d.failure_mode == "reward hacking" and not any(n.startswith("reward without gold") for n in d.notes)
+
+
+def test_a_reward_rise_within_its_noise_is_no_reward_without_gold():
+    """Issue 51: held-out reward 0.380 -> 0.381 with 76/200 right at every evaluation gave the note (at 0.379, none:
+    a coin flip). With the rewards' spread over the 200 prompts 0.45 the standard error of the rise is
+    sqrt(2 · 0.45² / 200) = 0.045: 0.001 is z = 0.02, no note, and the run is HEALTHY. The threshold is the gold
+    bands' warning level, z = 2.05: a rise of 0.095 (z = 2.11) gives the note, 0.09 (z = 2.00) none."""
+    finished = {"steps": N}
+    n_evals = sum("eval/accuracy" in r for r in short_answer_rows(0, 0))
+    se = math.sqrt(2 * 0.45 ** 2 / 200)
+    assert 0.09 / se < GOLD_WARN < 0.095 / se
+
+    def rows(rise):
+        return held_out_rows(0, 0, [0.380] * (n_evals - 1) + [0.380 + rise], reward_std=0.45)
+
+    d = diagnose(rows(0.001), run_config=finished)
+    assert not any(n.startswith("reward without gold") for n in d.notes)
+    assert d.level == "HEALTHY" and format_diagnosis(d).startswith("HEALTHY: no band reached its alarm in 60 steps")
+    assert any(n.startswith("reward without gold") for n in diagnose(rows(0.095), run_config=finished).notes)
+    assert not any(n.startswith("reward without gold") for n in diagnose(rows(0.09), run_config=finished).notes)
+    # a run logged before eval/reward_std: the rise cannot be judged, no note
+    assert not any(n.startswith("reward without gold") for n in diagnose(
+        held_out_rows(0, 0, [0.380] * (n_evals - 1) + [0.9], reward_std=None), run_config=finished).notes)
+
+
+def test_a_run_whose_gold_fell_does_not_read_healthy():
+    """Gold 76 -> 74 of 200 (+8 / −10): far from an alarm (p of a fall 0.41), no reward rise to speak of (the reward is
+    the accuracy): the headline is a WARNING naming the fall, not HEALTHY."""
+    d = diagnose(held_out_rows(8, 10, None), run_config={"steps": N})
+    note = next(n for n in d.notes if n.startswith("gold fell"))
+    p_fall = sum(math.comb(18, i) for i in range(10, 19)) / 2 ** 18  # P[X >= 10 | 18, 1/2]
+    assert "38.0% at step 5 -> 37.0% at step 60" in note and f"p of a fall = {p_fall:.2g}" in note
+    assert d.healthy and d.level == "WARNING"
+    assert format_diagnosis(d).startswith("WARNING: gold fell (below); no band reached its alarm in 60 steps")
+
+
+def test_a_held_out_gain_does_not_vouch_for_a_blow_up_after_the_evaluation():
+    """Issue 51's planted history: the mean KL in alarm at 0.9 nats a token from step 40, a +20 / −0 evaluation at
+    step 50 (p = 9.5e-7), then 0.9 -> 6.8 -> 52 nats in the ten steps after it (0.9 · (52/0.9)^((s − 50)/10)). The
+    evaluation measured a policy 0.9 nats out, not 52: the alarm is the verdict (it read "healthy (60 steps, no band
+    in alarm)"). The KL tail holding its level (7) after the evaluation stays vouched for, and so does the mean KL
+    when it holds 0.9."""
+    def planted(after):
+        rows = short_answer_rows(20, 0)
+        for r in rows:
+            if r["step"] > 50:
+                for k in [k for k in r if k.startswith("eval/")]:
+                    del r[k]
+            if r["step"] >= 40:
+                r["objective/kl"] = after(r["step"]) if r["step"] > 50 else 0.9
+        return rows
+
+    rows = planted(lambda s: 0.9 * (52 / 0.9) ** ((s - 50) / 10))
+    assert [round(r["objective/kl"], 1) for r in rows if r["step"] in (50, 55, 60)] == [0.9, 6.8, 52.0]
+    d = diagnose(rows, run_config={"steps": N})
+    assert not d.healthy and d.level == "UNHEALTHY"
+    assert (d.failure_mode, d.cause_metric, d.first_step, d.alarm_step) == ("KL explosion", "objective/kl", 40, 40)
+    assert any(n.startswith("KL explosion not counted (objective/kl_p99") for n in d.notes)
+    assert not any(n.startswith("KL explosion not counted (objective/kl ") for n in d.notes)
+    d = diagnose(planted(lambda s: 0.9), run_config={"steps": N})  # the level the evaluation saw: covered
+    assert d.healthy and any(n.startswith("KL explosion not counted (objective/kl ") for n in d.notes)
+    d = diagnose(planted(lambda s: 1.2), run_config={"steps": N})  # 1.33x the worst it saw, past the 1.25 slack
+    assert (d.healthy, d.cause_metric) == (False, "objective/kl")
+
+
+def flat_rows(**per_step) -> list[dict]:
+    """Issue 51's run: a score of 0.000 on every row of every step, the policy barely moving (clip fraction 2%, KL
+    0.001: "not learning"), the held-out answers 2 distinct in 8 at every evaluation (no fall against the first)."""
+    rows = healthy_rows()
+    for r in rows:
+        r.update({"objective/scores": 0.0, "objective/scores_raw": 0.0, "objective/scores_std": 0.0,
+                  "policy/clip_fraction": 0.02, "objective/kl": 0.001, **per_step})
+        if "eval/reward" in r:
+            r.update({"eval/reward": 0.0, "eval/n": 8, "eval/distinct_responses": 2 / 8})
+    return rows
+
+
+def test_a_flat_reward_is_ranked_first_and_names_collapsed_answers():
+    d = diagnose(flat_rows())
+    assert (d.failure_mode, d.cause_band, d.first_step, d.alarm_step) == ("no reward signal", "flat_reward", 1, 5)
+    assert d.prescriptions[0]["action"].startswith("the reward gives no signal: check the reward function and its "
+                                                   "answer column")
+    assert d.prescriptions[0]["priority"] == 1 and d.prescriptions[0]["key"] == "reward.sources"
+    assert [c["failure_mode"] for c in d.evidence["chain"]] == ["not learning"]  # what followed, not the verdict
+    text = format_diagnosis(d)
+    assert text.splitlines()[0] == "UNHEALTHY: no reward signal; answers collapsed (2 distinct in 8)"
+    assert "raise the actor learning rate" not in text
+    assert text.index("what followed") < text.index("1. the reward gives no signal")
+    assert any(n.startswith("answers collapsed: the held-out answers at step 60 are 2 distinct in 8") for n in d.notes)
+    # K >= 2 without objective/scores_std: every group flat, each solved and unsolved at once (all samples alike)
+    groups = [{k: v for k, v in r.items() if k != "objective/scores_std"} for r in flat_rows(
+        **{"group/no_spread_fraction": 1.0, "group/solved_fraction": 1.0, "group/unsolved_fraction": 1.0})]
+    assert diagnose(groups).failure_mode == "no reward signal"
+    # nothing but the means logged: identical means over the first steps read as flat, and say so
+    bare = [{k: v for k, v in r.items() if k != "objective/scores_std"} for r in flat_rows()]
+    assert "judged by the means" in diagnose(bare).evidence["meaning"]
+
+
+def test_scores_that_vary_within_a_step_or_later_in_the_first_steps_are_no_flat_reward():
+    assert diagnose(flat_rows(**{"objective/scores_std": 0.3})).failure_mode == "not learning"  # same mean, spread
+    rows = flat_rows()
+    rows[3]["objective/scores_raw"] = 0.125  # one right reply of 8 at step 4
+    assert diagnose(rows).failure_mode == "not learning"
+    groups = flat_rows(**{"group/no_spread_fraction": 0.75, "group/solved_fraction": 0.0,
+                          "group/unsolved_fraction": 0.75})
+    assert diagnose([{k: v for k, v in r.items() if k != "objective/scores_std"} for r in groups]
+                    ).failure_mode == "not learning"

@@ -10,7 +10,10 @@ results from ``samples/`` for older runs) by the monitor that raises live alerts
 reference §D (D.2–D.5), in priority order, each with its config key, the run's current value and a
 suggestion. It also says where a step's time went (C2): mean seconds per phase and the rollout share.
 
-Exit code: 0 healthy, 1 unhealthy, 2 unreadable input.
+The headline has three levels (:mod:`tether.diagnostics.headline`): HEALTHY, WARNING (no alarm, but the held-out
+evaluations say the run did not do what it should) and UNHEALTHY; a reward with no signal ranks above every band.
+
+Exit code: 0 healthy or warning, 1 unhealthy, 2 unreadable input.
 """
 
 from __future__ import annotations
@@ -20,26 +23,23 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from tether.config import config_from_dict
-from tether.diagnostics.gold import describe, upper_tail, with_problem_results
+from tether.diagnostics.gold import describe, with_problem_results
 from tether.diagnostics.groups import flat_groups_kind, flat_groups_prescriptions
-from tether.diagnostics.health import (BANDS, GOLD_ALARM, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, Alert,
-                                       TASK_DROPPED, HealthConfig, HealthMonitor)
+from tether.diagnostics.headline import (FLAT_KEY, FLAT_REWARD, collapsed_answers, flat_evidence, flat_reward,
+                                         is_warning, level)
+from tether.diagnostics.health import (BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, TASK_DROPPED, Alert,
+                                       HealthConfig, HealthMonitor)
+from tether.diagnostics.heldout import (LEARNED, REWARD_WITHOUT_GOLD, VOUCHABLE, covered, gold_fell, gold_summary,
+                                        gold_vouches, reward_without_gold)
+from tether.diagnostics.phases import (PHASES, SCORE_SPLIT, config_value, format_phases, phase_seconds,  # noqa: F401
+                                       rollout_layout)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
 from tether.diagnostics.shortcut import add_verdict, judge_run
 from tether.errors import TetherError
-
-# (phase, metric key) in step order (C2); "score" is the sum of old log-probs … reward, for runs made
-# before the scoring phase was split.
-PHASES = [("generate", "perf/seconds_generate"), ("weight sync", "perf/seconds_weight_sync"),
-          ("old log-probs", "perf/seconds_logprobs_old"), ("reference", "perf/seconds_reference"),
-          ("values", "perf/seconds_values"), ("reward", "perf/seconds_reward"), ("train", "perf/seconds_train")]
-SCORE_SPLIT = ("perf/seconds_logprobs_old", "perf/seconds_reference", "perf/seconds_values", "perf/seconds_reward")
-
 
 @dataclass
 class Diagnosis:
@@ -61,19 +61,37 @@ class Diagnosis:
     layout: str = ""  # the rollout layout the phases were measured in (C4), see rollout_layout
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "level": self.level}
+
+    @property
+    def level(self) -> str:
+        """HEALTHY, WARNING or UNHEALTHY (:func:`tether.diagnostics.headline.level`)."""
+        return level(self.healthy, self.notes)
+
+    @property
+    def warnings(self) -> list[str]:
+        """The notes that make a healthy run's headline a WARNING, each by its title."""
+        return [_title(n) for n in self.notes if is_warning(n)]
 
     @property
     def reward_without_gold(self) -> bool:
-        """The held-out reward rose while gold accuracy did not (:func:`reward_without_gold`'s note)."""
+        """The held-out reward rose significantly while gold accuracy did not (the heldout module's warning)."""
         return any(n.startswith(REWARD_WITHOUT_GOLD) for n in self.notes)
 
     def summary(self) -> str:
         if self.healthy:
-            unlearned = "; reward without gold" if self.reward_without_gold else ""
-            return f"healthy ({self.n_steps} steps, no band in alarm{unlearned})"
+            warned = f"; {', '.join(self.warnings)}" if self.warnings else ""
+            return f"{self.level.lower()} ({self.n_steps} steps, no band in alarm{warned})"
         return (f"{self.failure_mode}: {self.cause_metric} left its healthy band at step {self.first_step}"
                 f" (alarm at step {self.alarm_step})")
+
+
+def _title(note: str) -> str:
+    """A warning note's title: "reward hacking, not confirmed" of "warning (reward hacking, not confirmed): ...",
+    "reward without gold" of "reward without gold: ..."."""
+    if note.startswith("warning (") and ")" in note:
+        return note[len("warning ("):note.index(")")]
+    return note.split(":")[0]
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -122,16 +140,6 @@ def health_config_from_run(run_config: dict) -> HealthConfig:
     """The ``health`` section of a run's config (defaults where absent)."""
     section = run_config.get("health") or {}
     return config_from_dict(HealthConfig, section, where="config.yaml health") if section else HealthConfig()
-
-
-def config_value(run_config: dict, key: str):
-    """The value at dotted ``key`` (e.g. ``kl.coef``) of a nested config dict, None when absent."""
-    node: Any = run_config
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def _point(p) -> dict:
@@ -196,20 +204,16 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     no_critic = config_value(run_config or {}, "advantage.estimator") not in (None, "gae")
     unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs
                  and not (no_critic and b.key.startswith("value/"))]
-    alerts = monitor.alerts()
-    gold, notes = _gold_summary(monitor)
-    notes += reward_without_gold(monitor)
-    vouch = gold_vouches(monitor)
-    if vouch is not None:  # the outcome measured on held-out problems contradicts what these bands predict
-        step, why = vouch
-        overruled = [a for a in alerts if a.alarm_step <= step and (a.band.name in VOUCHABLE or (
-            a.band.name == "no_spread" and flat_groups_kind(rows, a.onset_step) == "solved"))]
-        alerts = [a for a in alerts if a not in overruled]
-        notes = [f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): "
-                 f"{LEARNED if a.band.name == 'no_spread' else ''}{why}" for a in overruled] + notes
+    gold, notes = gold_summary(monitor)
+    notes += reward_without_gold(monitor, rows) or ([] if notes else gold_fell(monitor))
+    alerts, vouched = _vouch(monitor.alerts(), monitor, rows)
+    notes = vouched + notes
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
     common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes,
                   layout=rollout_layout(run_config or {}))
+    flat = flat_reward(rows, monitor.config.baseline_steps)
+    if flat is not None:  # ranked above every band: with no signal, the bands describe a drift on noise
+        return _flat_verdict(flat, rows, failures, run_config or {}, common)
     if not failures:
         return Diagnosis(True, None, None, None, None, None, **common)
     outcome = [a for a in failures if a.band.measure == "gold"]  # reward hacking, measured against the truth
@@ -222,90 +226,33 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
         prescriptions=_prescribe(cause.failure_mode, run_config or {}, rows, cause.onset_step), **common)
 
 
-# Bands that predict damage which a held-out gold evaluation measures directly: a per-token KL tail, an entropy
-# drop, shorter replies. On a short-answer task learning itself trips them (recipe 4: the one token that changes in
-# "The answer is N." is N; the policy grows sure of a digit the reference gave < 0.3%, k3 > 5 there, and one number
-# token in seven puts the 99th percentile on it; the entropy falls as guessing turns into knowing).
-VOUCHABLE = ("kl_mean", "kl_max", "entropy", "length_collapse")
-# Groups flat because every sample is rewarded are the training prompts learned, not a failure, when the held-out
-# problems confirm it; flat because none is rewarded stays an alarm (the task is out of reach).
-LEARNED = ("the flat groups are solved ones (every sample rewarded: the training prompts are learned; harder "
-           "prompts to go on), and ")
-VOUCH_P = upper_tail(GOLD_ALARM)  # the gold bands' own alarm level, one-sided p 0.00135
+def _vouch(alerts: list[Alert], monitor: HealthMonitor, rows: list[dict]) -> tuple[list[Alert], list[str]]:
+    """The alerts that stand, and a note for each a held-out gain vouches against (:func:`gold_vouches`): a
+    :data:`VOUCHABLE` band's alarm, or a "no signal in the groups" alarm whose flat groups are solved ones, whose
+    stretch the last evaluation covers (:func:`~tether.diagnostics.heldout.covered`)."""
+    vouch = gold_vouches(monitor)
+    if vouch is None:  # the outcome measured on held-out problems contradicts what these bands predict
+        return alerts, []
+    step, why = vouch
+    overruled = [a for a in alerts if covered(a, monitor, step) and (a.band.name in VOUCHABLE or (
+        a.band.name == "no_spread" and flat_groups_kind(rows, a.onset_step) == "solved"))]
+    return [a for a in alerts if a not in overruled], [
+        f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): "
+        f"{LEARNED if a.band.name == 'no_spread' else ''}{why}" for a in overruled]
 
 
-def _gold_tracker(monitor: HealthMonitor):
-    """The gold band tracker holding the run's held-out evaluations (None when there were none)."""
-    return next((t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES and t.gold.evaluations),
-                None)
-
-
-def gold_vouches(monitor: HealthMonitor) -> tuple[int, str] | None:
-    """(step, why) when the run's last held-out evaluation shows it got better at the task, not worse: gold accuracy
-    above the first evaluation's on the same problems with exact one-sided McNemar p <= :data:`VOUCH_P`, its
-    answers still varied (``eval_distinct`` ok at that evaluation) and still alike the reference's in form
-    (``eval_shortcut`` ok, its overlap measured). Alarms of :data:`VOUCHABLE` bands up to that step (and a "no
-    signal in the groups" alarm whose flat groups are solved ones) then count as notes, not as the verdict — the
-    mirror of a gold fall overruling the proxy (a gold band is the verdict whenever it alarms). None when any of it
-    is not measured: the bands stand."""
-    gold = _gold_tracker(monitor)
-    gain = gold.gold.gain_since_first() if gold is not None else None
-    if gain is None:
-        return None
-    gained, lost, p = gain
-    first, last = gold.gold.evaluations[0], gold.gold.evaluations[-1]
-    if p > VOUCH_P or first.accuracy >= last.accuracy:
-        return None
-    states = {}
-    for name in ("eval_distinct", "eval_shortcut"):
-        tracker = monitor.trackers.get(name)
-        point = next((q for q in reversed(tracker.trace) if q.step == last.step), None) if tracker else None
-        if point is None or point.state != "ok" or tracker.first_alert is not None:
-            return None
-        states[name] = point
-    return last.step, (
-        f"held-out gold accuracy {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at "
-        f"step {last.step} (paired: {gained} wrong -> right, {lost} right -> wrong, p = {p:.2g}), the answers still "
-        f"varied (eval/distinct_responses {states['eval_distinct'].measure:.2f}x the first evaluation) and alike the "
-        f"reference's (eval/reference_overlap {states['eval_shortcut'].value:.2f}): the drift bought the task; "
-        f"read the answers to be sure")
-
-
-REWARD_WITHOUT_GOLD = "reward without gold"
-
-
-def reward_without_gold(monitor: HealthMonitor) -> list[str]:
-    """A note when the last evaluation's held-out reward is above the first's while its gold accuracy is not, and no
-    gold band alarmed. A learned reward can rise on held-out prompts while the task's own check stays put: the policy
-    found what the reward model likes and the task does not (recipe 5 of docs/real-models.md, β = 0.2: held-out
-    reward 0.13 -> 0.82, accuracy 39% -> 37%, the replies gathering on two favourite numbers). Nothing fell
-    significantly, so no band alarms; the run is still not learning the task. A reward that is the gold check
-    itself cannot rise without gold rising, so the note never fires for it. Paired counts and the exact one-sided
-    McNemar p of a gain, when per-problem results were logged."""
-    gold = _gold_tracker(monitor)
-    if gold is None or len(gold.gold.evaluations) < 2 or any(
-            t.first_alert is not None for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES):
-        return []
-    first, last = gold.gold.evaluations[0], gold.gold.evaluations[-1]
-    if not (last.reward > first.reward and last.accuracy <= first.accuracy):
-        return []
-    gain = gold.gold.gain_since_first()
-    paired = (f"; paired: {gain[0]} wrong -> right, {gain[1]} right -> wrong, p of a gain = {gain[2]:.2g}"
-              if gain else "")
-    return [f"{REWARD_WITHOUT_GOLD}: the held-out reward rose {first.reward:.3g} -> {last.reward:.3g} from step "
-            f"{first.step} to step {last.step} while gold accuracy did not ({100 * first.accuracy:.0f}% -> "
-            f"{100 * last.accuracy:.0f}%{paired}): the reward's gain has not bought the task (a reward model's "
-            f"favourites, a format it over-rates); read the answers"]
-
-
-def _gold_summary(monitor: HealthMonitor) -> tuple[list[dict], list[str]]:
-    """Each evaluation against the best before it; a note for a gold band whose last evaluation is past its
-    warning level without an alarm (one evaluation of a run still going, a tethered run's last-moment dip)."""
-    trackers = [t for t in monitor.trackers.values() if t.band.measure in GOLD_MEASURES]
-    gold = [p.to_dict() for p in trackers[0].gold.evaluations] if trackers else []
-    notes = [f"warning ({t.band.failure_mode}, not confirmed): {describe(t.point.to_dict())}" for t in trackers
-             if t.first_alert is None and t.trace and t.trace[-1].state != "ok" and t.point is not None]
-    return gold, notes
+def _flat_verdict(flat: dict, rows: list[dict], failures: list[Alert], run_config: dict, common: dict) -> Diagnosis:
+    """The verdict when every score of the first steps was identical (:func:`tether.diagnostics.headline.flat_reward`):
+    the reward first, the bands that alarmed after it as what followed, collapsed answers named."""
+    chain = [{"band": a.band.name, "key": a.band.key, "failure_mode": a.failure_mode, "onset_step": a.onset_step,
+              "alarm_step": a.alarm_step} for a in failures]
+    evidence = flat_evidence(flat, rows, chain)
+    collapsed = collapsed_answers(rows)
+    if collapsed:
+        evidence["answers_collapsed"] = collapsed.split(" are ")[1].split(" (")[0]
+        common["notes"] = [collapsed] + common["notes"]
+    return Diagnosis(False, FLAT_REWARD, FLAT_KEY, "flat_reward", flat["steps"][0], flat["steps"][-1],
+                     evidence=evidence, prescriptions=_prescribe(FLAT_REWARD, run_config, rows), **common)
 
 
 def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Diagnosis:
@@ -344,58 +291,20 @@ def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def phase_seconds(rows: list[dict]) -> dict:
-    """Mean seconds per step of each phase in :data:`PHASES` that the rows carry, in step order; runs from
-    before the split of scoring give one "score" phase instead of its parts. Empty without timings."""
-    def mean(key):
-        xs = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        return sum(xs) / len(xs) if xs else None
-
-    split = any(mean(key) is not None for key in SCORE_SPLIT)
-    phases = [(n, k) for n, k in PHASES if split or k not in SCORE_SPLIT]
-    if not split:
-        phases.insert(2, ("score", "perf/seconds_score"))
-    return {name: m for name, key in phases if (m := mean(key)) is not None}
-
-
-def rollout_layout(run_config: dict) -> str:
-    """Where the run's rollouts were sampled (C4), from its config.yaml; "" for a run saved before the keys."""
-    engine, tp = config_value(run_config, "generation.engine"), config_value(run_config, "generation.engine_tp") or 1
-    if engine is None:
-        return ""
-    rollouts = config_value(run_config, "generation.rollout_processes") or 0
-    if rollouts:
-        return f"disaggregated, {rollouts} rollout process{'es' if rollouts > 1 else ''} ({engine})"
-    return f"colocated, {engine}" + (f" TP={tp}" if tp > 1 else "")
-
-
-def format_phases(phases: dict, layout: str = "") -> str:
-    """One line: mean seconds per phase, each one's share of the step, and the rollout share (C2) of the layout
-    (disaggregated: "generate" is the trainers' wait for the rollout processes)."""
-    total = sum(phases.values())
-    if not total:
-        return ""
-    parts = ", ".join(f"{name} {s:.3g} s ({100 * s / total:.0f}%)" for name, s in phases.items())
-    share = 100 * phases.get("generate", 0.0) / total
-    where = f"{layout}; " if layout else ""
-    return (f"time per step: {total:.3g} s = {parts}; rollout share {share:.0f}% ({where}healthy <= 40% with a fast "
-            "engine)")
-
-
 def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
     """The doctor's verdict as plain text (what `tether doctor` prints)."""
     head = f"{run_dir}: " if run_dir else ""
     if d.healthy:
         vouched = sum(" not counted (" in n for n in d.notes)
-        lines = [f"{head}HEALTHY: no band reached its alarm in {d.n_steps} steps" if not vouched else
-                 f"{head}HEALTHY: no alarm stands in {d.n_steps} steps ({vouched} answered by the held-out "
-                 f"evaluation, below)"]
-        if d.reward_without_gold:
-            lines[0] += ", but not learning the task by its gold check (below)"
+        quiet = (f"no band reached its alarm in {d.n_steps} steps" if not vouched else
+                 f"no alarm stands in {d.n_steps} steps ({vouched} answered by the held-out evaluation, below)")
+        lines = [f"{head}HEALTHY: {quiet}" if not d.warnings else
+                 f"{head}WARNING: {'; '.join(d.warnings)} (below); {quiet}"]
     else:
         e = d.evidence
         unit = "" if e["measure"] == "value" else f" ({e['measure']} measure)"
-        lines = [f"{head}UNHEALTHY: {d.failure_mode}",
+        collapsed = f"; answers collapsed ({e['answers_collapsed']})" if e.get("answers_collapsed") else ""
+        lines = [f"{head}UNHEALTHY: {d.failure_mode}{collapsed}",
                  f"cause: {d.cause_metric}{unit} left its healthy band ({e['healthy']}) at step {d.first_step}"
                  f" ({_fmt(e['onset']['measure'])}), alarm ({e['alarm']}) from step {d.alarm_step}"
                  f" ({_fmt(e['first_alarm']['measure'])}); peak {_fmt(e['peak']['measure'])} at step "

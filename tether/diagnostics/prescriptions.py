@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tether.diagnostics.groups import flat_groups_prescriptions
+from tether.diagnostics.headline import FLAT_REWARD
 from tether.diagnostics.health import (COLLAPSE, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL, NOT_LEARNING, RATIO,
                                        REWARD_HACKING, SAMPLER_MISMATCH, SHORTCUT, TASK_DROPPED, VALUE_COLLAPSE)
 
@@ -135,6 +136,15 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
            "so the gradient goes to prompts still failing; it slows the shortcut's spread, it does not unpay it",
            "difficulty.curriculum", lambda c: "true", _is(True)),
         Rx("keep the policy nearer the reference: raise β", "kl.coef", _beta),
+    ],
+    # issue 51: ranked above every band (tether.diagnostics.headline); the reward itself first, the learning rate never
+    FLAT_REWARD: [
+        Rx("the reward gives no signal: check the reward function and its answer column (score a few replies by hand, "
+           "samples/step_K.jsonl 'score': a rule reading another column than the prompts carry, or expecting another "
+           "answer format, scores every reply alike)", "reward.sources"),
+        Rx("if the scores are right and every reply fails: the task is out of the policy's reach, easier prompts or "
+           "SFT first (tether sample, tether sft)", "data.prompts"),
+        Rx("a denser reward: partial credit, or a process reward model's step rewards", None),
     ],
     # B19, tether's: correct what the engine's distribution costs, then make it smaller (docs/sampling.md)
     SAMPLER_MISMATCH: [

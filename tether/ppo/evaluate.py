@@ -91,6 +91,8 @@ def _evaluate_rows(run, cfg, rows: list[dict], model) -> tuple[dict, list[dict]]
     scores = torch.cat(scores_all)
     scores = scores[torch.isfinite(scores)]  # rows a rule failed on or a NaN score are left out (B16)
     metrics = {"eval/reward": float(scores.mean()) if len(scores) else float("nan"), "eval/n": len(samples),
+               # the spread over the prompts: the doctor judges a reward's rise against it (diagnostics.heldout)
+               "eval/reward_std": float(scores.std()) if len(scores) > 1 else float("nan"),
                "eval/kl_sequence": sum(kls) / len(kls) if kls else float("nan"),
                "eval/response_length": sum(s["length"] for s in samples) / len(samples),
                "eval/distinct_responses": distinct_fraction([s["response"] for s in samples])}

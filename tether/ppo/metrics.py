@@ -50,6 +50,8 @@ def objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean: 
     tokens = mask.bool()
     return {"objective/scores": global_masked_mean(p, scores, valid),
             "objective/scores_raw": global_masked_mean(p, scores_raw, valid),
+            # 0 = every kept row scored alike: the doctor's flat-reward check (diagnostics.headline)
+            "objective/scores_std": global_masked_var(p, scores_raw, valid) ** 0.5,
             "objective/rlhf_reward": global_masked_mean(p, rewards.sum(dim=1), valid),
             "objective/kl": kl_mean,
             "objective/kl_max": p.global_max(kl[tokens].max() if tokens.any() else kl.new_zeros(())),
