@@ -109,6 +109,25 @@ def test_report_shows_the_paired_gold_evidence(tmp_path):
     assert f"<td>{5 / 16:.2g}</td><td>2</td>" in page  # P[X >= 3], X ~ Bin(4, 1/2) = 5/16; 2 candidates
 
 
+def test_report_shows_the_three_levels(tmp_path):
+    """The headline's levels on the page: the β > 0 run healthy (green), the same run with its last evaluation's gold
+    (of 100 problems) a point below its first a WARNING (amber badge naming it, "warning (...)" in the verdicts, "WARNING: gold fell" in
+    the diagnosis), the β = 0 run UNHEALTHY (red)."""
+    fell = make_run(tmp_path, "fell", 0.05)
+    rows = [json.loads(line) for line in (fell / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[9::10]:
+        r["eval/n"] = 100
+    rows[-1]["eval/accuracy"] = 0.59  # 60% at the first evaluation (step 10), 70% at step 20: no significant fall
+    (fell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = [make_run(tmp_path, "fine", 0.05), fell, make_run(tmp_path, "broken", 0.0)]
+    page = write_report(runs, tmp_path / "report.html").read_text(encoding="utf-8")
+    assert page.count("<span class='badge ok'>healthy</span>") == 1
+    assert page.count("<span class='badge warn'>warning: gold fell</span>") == 1
+    assert page.count("<span class='badge bad'>") == 1
+    assert "healthy (30 steps, no band in alarm)" in page and "warning (30 steps, no band in alarm; gold fell)" in page
+    assert "WARNING: gold fell (below); no band reached its alarm in 30 steps" in page
+
+
 def test_phase_table_splits_scoring(tmp_path):
     """A run with the split scoring phase: one row per phase in step order, no 'score' row counted on top,
     no 'other' row when the phases add up to the step; a run from before the split keeps its 'score' row."""

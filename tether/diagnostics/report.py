@@ -311,7 +311,7 @@ h1{font-size:22px} h2{font-size:18px;margin-top:28px;border-bottom:1px solid #dd
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
 pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:6px;font-size:12px;margin:4px 0}
 .badge{display:inline-block;padding:2px 8px;border-radius:4px;color:#fff;font-weight:600}
-.ok{background:#2ca02c} .bad{background:#d62728}
+.ok{background:#2ca02c} .warn{background:#e08a00} .bad{background:#d62728}
 .chip{display:inline-block;width:10px;height:10px;margin-right:5px;border-radius:2px}
 .bar{display:flex;height:18px;width:100%;max-width:500px;border:1px solid #ccc} .bar div{height:100%}
 .sample{border-left:3px solid #ccc;padding-left:8px;margin:8px 0} .facts{font-size:12px;color:#555}
@@ -348,8 +348,9 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, title: str | 
 
     def verdict(r: Run) -> str:
         d = r.diagnosis
-        badge = ("<span class='badge ok'>healthy</span>" if d.healthy
-                 else f"<span class='badge bad'>{html.escape(d.failure_mode)}</span>")
+        badge = (f"<span class='badge bad'>{html.escape(d.failure_mode)}</span>" if not d.healthy else
+                 f"<span class='badge warn'>warning: {html.escape(', '.join(d.warnings))}</span>" if d.warnings else
+                 "<span class='badge ok'>healthy</span>")
         return f"{badge}<pre>{html.escape(format_diagnosis(d))}</pre>"
 
     plots = "".join(f"<img alt='{html.escape(t)}' src='data:image/png;base64,{b64}'>" for t, b64 in images)
