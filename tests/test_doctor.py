@@ -841,3 +841,16 @@ def test_scores_that_vary_within_a_step_or_later_in_the_first_steps_are_no_flat_
                           "group/unsolved_fraction": 0.75})
     assert diagnose([{k: v for k, v in r.items() if k != "objective/scores_std"} for r in groups]
                     ).failure_mode == "not learning"
+
+
+def test_cli_warning_exits_0_and_json_carries_the_level(tmp_path, capsys):
+    """A WARNING is no alarm: exit 0, the headline says WARNING, --json has "level"; a flat reward exits 1."""
+    run = write_run(tmp_path, held_out_rows(8, 10, None), config={"steps": N})
+    assert main(["doctor", str(run)]) == 0
+    assert capsys.readouterr().out.startswith(f"{run}: WARNING: gold fell (below)")
+    assert main(["doctor", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["level"], out["healthy"]) == ("WARNING", True)
+    flat = write_run(tmp_path, flat_rows(), name="flat")
+    assert main(["doctor", str(flat), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["level"] == "UNHEALTHY"
