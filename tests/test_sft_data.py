@@ -69,7 +69,7 @@ def test_csv_rows_and_rows_from_python_are_named_too(tmp_path):
     with pytest.raises(DataError, match=r"sft.csv: line 3: field 'completion' is empty"):
         load_rows([str(csv)])
     with pytest.raises(DataError, match=r"^train_data: row 2: expected 'messages'"):
-        rows_from_data([{"prompt": "a", "completion": "b"}, {"text": "c"}], "train_data")
+        rows_from_data([{"prompt": "a", "completion": "b"}, {"body": "c"}], "train_data")  # ({"text"} is a shape)
     datasets = pytest.importorskip("datasets")
     rows, _ = rows_from_data(datasets.Dataset.from_list([{"prompt": "a", "completion": "b"}]), "train_data")
     assert rows[0].prompt == "a" and rows[0].source == "train_data: row 1"

@@ -191,3 +191,59 @@ def test_a_ppo_run_takes_a_trl_reward_model_directory(tmp_path):
     cfg.reward.sources = [str(path)]
     rows = [json.loads(line) for line in (tether.PPOTrainer(cfg).train().run_dir / "metrics.jsonl").open()]
     assert math.isfinite(rows[-1]["objective/scores"])
+
+
+# ------------------------------------------------------------------------------------------------ TRL's data rows
+def test_sft_reads_trl_text_rows_and_trains_every_token():
+    from tether.demo.task import build_tokenizer
+    from tether.sft.data import row_from_record
+    from tether.sft.tokens import TextFormat, encode_rows
+
+    rows = [row_from_record({"text": "12+34=46", "source": "web"}, "d: row 1"),
+            row_from_record({"prompt": "1+1=", "completion": "2"}, "d: row 2"),
+            row_from_record({"text": "7"}, "d: row 3")]
+    assert [r.whole_text for r in rows] == [True, False, True] and rows[0].columns == {"source": "web"}
+    for tok in (build_tokenizer(), build_tokenizer(eos_after_text=True)):
+        eos = tok.eos_token_id
+        chars = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731 - one id per character
+        for chat in (False, True):  # a text row ignores the chat template, as TRL's language-modelling rows do
+            fmt = TextFormat(chat, "", "{prompt}", frozenset({eos}), eos, 1024)
+            examples, info = encode_rows(tok, [rows[0], rows[2]], fmt)
+            assert [e.ids for e in examples] == [chars("12+34=46") + [eos], chars("7") + [eos]]  # EOS once
+            assert [e.labels for e in examples] == [e.ids for e in examples]  # every token is a target
+            assert info["trained_tokens"] == 9 + 2
+        plain = TextFormat(False, "", "{prompt}", frozenset({eos}), eos, 1024)
+        mixed, _ = encode_rows(tok, rows, plain)  # row order is kept when shapes mix
+        context = len(tok("1+1=", add_special_tokens=True)["input_ids"])  # the prompt/completion row as before
+        assert mixed[1].labels == [-100] * context + chars("2") + [eos] and mixed[2].ids == chars("7") + [eos]
+        cut, info = encode_rows(tok, [rows[0]], TextFormat(False, "", "{prompt}", frozenset({eos}), eos, 4))
+        assert cut[0].ids == chars("12+3") and info["response_truncated"] == 1  # cut from the right
+
+
+@pytest.mark.parametrize("record, message", [({"text": "  "}, "field 'text' is empty"),
+                                             ({"text": 3}, "field 'text' must be text, got int"),
+                                             ({"txt": "a"}, "or 'text' (found: txt)")])
+def test_a_bad_text_row_is_one_line_naming_the_row(record, message):
+    from tether.errors import DataError
+    from tether.sft.data import row_from_record
+
+    with pytest.raises(DataError, match=rf"^d: row 4: .*{re.escape(message)}"):
+        row_from_record(record, "d: row 4")
+
+
+def test_ppo_prompts_as_trl_has_them_text_or_messages_with_columns_for_rules():
+    from tether.prompt_rows import collate_fields, prompts_from_data
+
+    rows = prompts_from_data([{"prompt": "2+2=", "solution": "4"},
+                              {"prompt": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "3+3="}], "solution": "6"}])
+    assert rows[0]["prompt"] == "2+2=" and rows[1]["prompt"][1] == {"role": "user", "content": "3+3="}
+    fields = collate_fields(rows)
+    scores = call_rule(trl_accuracy, [r["prompt"] for r in rows], ["4", "5"], fields)
+    assert scores.tolist() == [1.0, 0.0]
+
+
+def trl_accuracy(completions, solution, **kwargs):
+    """TRL's accuracy_reward shape: the completion's text against a ``solution`` column (exact match here)."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(t.strip() == s) for t, s in zip(texts, solution)]

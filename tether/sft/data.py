@@ -7,7 +7,9 @@ A row is read in one of these shapes (the first that fits):
 - ``prompt`` + ``completion`` (TRL's prompt-completion form; also ``response``, or ``answer`` as the demo's rows
   have it): the prompt is text or messages ending with the user's turn, the completion text or one assistant
   message; only the completion is trained;
-- GSM8K's ``question`` + ``answer``: the worked solution is the completion.
+- GSM8K's ``question`` + ``answer``: the worked solution is the completion;
+- ``text``: TRL's language-modelling form, plain text trained on every token (no chat template, no prompt
+  template; EOS appended when the tokenizer does not end the text with it).
 
 Every other field travels with the row (``columns``): a gold rule gets them as keyword lists, as PPO's rules do.
 A row that fits no shape, or has an empty or mistyped field, is a one-line :class:`~tether.errors.DataError` naming
@@ -22,18 +24,20 @@ from tether.conversations import check_messages
 from tether.errors import DataError
 
 COMPLETION_KEYS = ("completion", "response", "answer")  # the first present names the trained reply
-SHAPES = "'messages', 'prompt' + 'completion' (or 'response'/'answer'), or 'question' + 'answer'"
+SHAPES = "'messages', 'prompt' + 'completion' (or 'response'/'answer'), 'question' + 'answer', or 'text'"
 
 
 @dataclass(frozen=True)
 class SFTRow:
-    """One demonstration: ``prompt`` answered by ``completion``."""
+    """One demonstration: ``prompt`` answered by ``completion``; or, ``whole_text``, a text trained on every token."""
 
-    prompt: str | list[dict]   # what the policy is asked: text, or the messages before the last assistant turn
-    completion: str            # the reply trained on (the conversation's last assistant turn)
+    prompt: str | list[dict]   # what the policy is asked: text, or the messages before the last assistant turn;
+                               # a ``text`` row: the text itself (so that the split by prompt splits by text)
+    completion: str            # the reply trained on (the conversation's last assistant turn); "" for a text row
     all_turns: bool = False    # a ``messages`` row: every assistant turn in ``prompt`` is trained as well
     columns: dict = field(default_factory=dict)  # the row's other fields (a gold rule's keyword lists)
     source: str = ""           # "FILE: line N" or "NAME: row N"
+    whole_text: bool = False   # TRL's {"text": ...} row: ``prompt`` is the text, every token is trained
 
 
 @dataclass
@@ -89,6 +93,9 @@ def row_from_record(record, where: str) -> SFTRow:
         return SFTRow(messages[:-1], messages[-1]["content"], True, columns, where)
     prompt_key = "prompt" if "prompt" in present else ("question" if "question" in present else None)
     reply_key = next((k for k in COMPLETION_KEYS if k in present), None)
+    if (prompt_key is None or reply_key is None) and "text" in present:
+        columns = {k: v for k, v in record.items() if k != "text"}
+        return SFTRow(_text(record, "text", where), "", False, columns, where, whole_text=True)
     if prompt_key is None or reply_key is None:
         found = ", ".join(map(str, record)) or "none"
         raise DataError(f"{where}: expected {SHAPES} (found: {found})")
@@ -155,6 +162,7 @@ def read_rows(files: list[str], given, name: str, skip_invalid: bool) -> tuple[l
     return load_rows(files, skip_invalid)
 
 
-def prompt_row(row: SFTRow) -> dict:
-    """``row`` as a prompt row (``{"prompt": …, **columns}``): what a gold evaluation of held-out rows answers."""
-    return {**row.columns, "prompt": row.prompt}
+def prompt_row(row: SFTRow) -> dict | None:
+    """``row`` as a prompt row (``{"prompt": …, **columns}``): what a gold evaluation of held-out rows answers;
+    None for a ``text`` row, which asks nothing."""
+    return None if row.whole_text else {**row.columns, "prompt": row.prompt}

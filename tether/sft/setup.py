@@ -175,7 +175,7 @@ def gold_setup(cfg: SFTConfig, given: Given, held_out: list[SFTRow]) -> tuple[li
     elif cfg.eval.prompts:
         rows = load_prompts(cfg.eval.prompts)
     else:
-        rows = [prompt_row(r) for r in held_out]
+        rows = [row for row in map(prompt_row, held_out) if row is not None]  # a text row asks nothing
     return rows, gold_rule(cfg.eval.gold, rows, given.gold) if rows else None
 
 

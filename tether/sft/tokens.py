@@ -14,6 +14,10 @@ Without a chat template, a row is ``prompt_template`` filled with the prompt tex
 tokenised with the tokenizer's special tokens as ``tether ppo`` encodes prompts, then the completion (no special
 tokens) and EOS; the completion and EOS are trained.
 
+A ``text`` row (TRL's language-modelling form) is neither: its text is tokenised as it is, with the tokenizer's
+special tokens, EOS appended unless the tokens already end with it, and every token is trained (``labels = ids``;
+the first token, having nothing before it, is never a target) — chat template or not, as TRL trains such rows.
+
 Labels are aligned with the tokens: ``labels[t]`` is ``ids[t]`` where token t is trained, else -100; the loss
 predicts ``labels[t + 1]`` from position t (:func:`tether.core.losses.token_nll`). A sequence longer than
 ``max_length`` loses prompt tokens from the left first (one context token always stays before the first trained
@@ -124,6 +128,18 @@ def plain_examples(tokenizer, rows: list[SFTRow], fmt: TextFormat) -> list[tuple
     return out
 
 
+def text_examples(tokenizer, rows: list[SFTRow], fmt: TextFormat) -> list[tuple[list[int], list[int]]]:
+    """``(ids, labels)`` of ``text`` rows: the text with the tokenizer's special tokens, then EOS unless it already
+    ends so; every token trained (module docstring)."""
+    out = []
+    for row, ids in zip(rows, tokenizer([r.prompt for r in rows], add_special_tokens=True)["input_ids"]):
+        ids = list(ids) if ids and ids[-1] == fmt.eos_id else list(ids) + [fmt.eos_id]
+        if len(ids) < 2:
+            raise DataError(f"{row.source}: field 'text' has no tokens")
+        out.append((ids, list(ids)))
+    return out
+
+
 def truncated(ids: list[int], labels: list[int], max_length: int) -> Example:
     """The :class:`Example` of ``(ids, labels)`` cut to ``max_length``: context tokens from the left first (one
     stays before the first trained token), then trained tokens from the right."""
@@ -140,10 +156,17 @@ def truncated(ids: list[int], labels: list[int], max_length: int) -> Example:
 def encode_rows(tokenizer, rows: list[SFTRow], fmt: TextFormat) -> tuple[list[Example], dict]:
     """Every row as an :class:`Example`, and the counts a run reports (rows, tokens, trained tokens, prompts cut,
     responses cut)."""
+    texts = [i for i, row in enumerate(rows) if row.whole_text]
+    others = [i for i, row in enumerate(rows) if not row.whole_text]
+    pairs: list = [None] * len(rows)
+    for i, pair in zip(texts, text_examples(tokenizer, [rows[i] for i in texts], fmt) if texts else []):
+        pairs[i] = pair
     if fmt.use_chat_template:
-        pairs = [chat_example(tokenizer, row, fmt) for row in rows]
+        done = [chat_example(tokenizer, rows[i], fmt) for i in others]
     else:
-        pairs = plain_examples(tokenizer, rows, fmt)
+        done = plain_examples(tokenizer, [rows[i] for i in others], fmt) if others else []
+    for i, pair in zip(others, done):
+        pairs[i] = pair
     examples = [truncated(ids, labels, fmt.max_length) for ids, labels in pairs]
     info = {"rows": len(examples), "tokens": sum(len(e.ids) for e in examples),
             "trained_tokens": sum(e.trained for e in examples),
