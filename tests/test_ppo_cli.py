@@ -90,8 +90,8 @@ def run_cli(args):
     ({"--kl-controller": "pid"}, "'pid' is not one of fixed, adaptive, proportional"),
     ({"--kl-coef": "abc"}, "--kl-coef: expected a number, got 'abc'"),
     ({"--steps": "0"}, "--steps: must be >= 1"),
-    ({"--ppo-target-kl": "0"}, "--ppo-target-kl: must be > 0.0, got 0.0"),  # off is --ppo-early-stop false
-    ({"--no-such-flag": "1"}, "unrecognized arguments: --no-such-flag"),
+    ({"--ppo-early-stop-kl": "0"}, "--ppo-early-stop-kl: must be > 0.0, got 0.0"),  # off is --ppo-early-stop false
+    ({"--no-such-flag": "1"}, "unrecognized argument --no-such-flag"),
     ({"--log-with": "nosuch"}, "--log-with: 'nosuch' is not a tracker accelerate knows"),
     ({"--critic-lora-r": "4"}, "--critic-lora-r: needs --critic separate"),
     ({"--top-p": "0.9"}, "--top-p: 0.9 refused; PPO's log-probs, ratio and KL are of the untruncated"),

@@ -210,7 +210,7 @@ def test_accelerate_mixed_precision_setting_is_ignored_with_one_line(files, tmp_
     accelerator = run.processes.accelerator
     assert accelerator.mixed_precision == "no" and not accelerator.native_amp and accelerator.scaler is None
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ACCELERATE_MIXED_PRECISION=bf16" in err[0] and "--model-dtype bf16" in err[0]
+    assert len(err) == 1 and "ACCELERATE_MIXED_PRECISION=bf16" in err[0] and "--dtype bf16" in err[0]
 
     autocast_seen = []  # inside the policy: whether its blocks computed under autocast (score and update forwards)
     block = run.models.unwrapped_policy.transformer.h[0]

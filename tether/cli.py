@@ -37,23 +37,55 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def version() -> str:
+    """The installed package's version (read without importing torch), else the source tree's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tether")
+    except metadata.PackageNotFoundError:
+        from tether import __version__
+
+        return __version__
+
+
+def build_parser(only: str | None = None, full_help: bool = True) -> argparse.ArgumentParser:
+    """The ``tether`` parser; ``only``: the one subcommand whose flags are added (all when None); ``full_help``
+    False: a subcommand's ``--help`` lists its common flags only (``--help-all``: every flag)."""
     parser = OneLineParser(prog="tether", description="Classic RLHF: SFT, reward models and PPO with a KL tether.")
+    parser.add_argument("--version", action="version", version=f"tether {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if only is None or only == name:
+            p.tether_full_help = full_help
+            p.add_argument("--help-all", action="store_true", help="show every flag, grouped by concern, and exit")
             importlib.import_module(module).add_arguments(p)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, with an unknown flag answered by the flag meant (one line, exit 2)."""
+    from tether.cli_flags import unknown_flags_message
+
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = getattr(args, "command", None)
+        sub = parser._subparsers._group_actions[0].choices[command] if command else parser
+        sub.error(unknown_flags_message(sub, extras))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Only the chosen subcommand's module is imported (keeps `tether plan` and `--help` fast).
     only = next((a for a in argv if a in COMMANDS), None)
-    parser = build_parser(only)
-    args = parser.parse_args(argv)
+    full_help = "--help-all" in argv
+    if full_help:
+        argv = [("--help" if a == "--help-all" else a) for a in argv]
+    parser = build_parser(only, full_help=full_help)
+    args = parse(parser, argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         code = int(module.run(args) or 0)

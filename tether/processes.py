@@ -170,4 +170,4 @@ def ignored_mixed_precision_note(setting: str, model_dtype: str) -> str:
     if setting in ("", "no") or setting == model_dtype:
         return ""
     return (f"note: ACCELERATE_MIXED_PRECISION={setting} (accelerate config / --mixed_precision) is ignored: this "
-            f"run computes in --model-dtype {model_dtype}; --model-dtype bf16 is tether's mixed precision")
+            f"run computes in --dtype {model_dtype}; --dtype bf16 is tether's mixed precision")

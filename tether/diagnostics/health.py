@@ -220,7 +220,7 @@ class HealthConfig:
     rollback: bool = option(False, "on an alarm, go back to the last checkpoint saved while healthy",
                             flag="--rollback-on-alarm")
     max_skipped_steps: int = option(3, "stop the run after this many consecutive steps whose optimizer updates "
-                                    "were all skipped for non-finite losses or gradients (B16)", low=1,
+                                    "were all skipped for non-finite losses or gradients", low=1,
                                     flag="--max-skipped-steps")
     bands: list[str] = option([], "override a band: NAME=HEALTHY_LOW:HEALTHY_HIGH:ALARM_LOW:ALARM_HIGH "
                                   "(empty = no bound) or NAME=off", repeat=True, flag="--health-band")

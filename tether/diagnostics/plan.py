@@ -65,12 +65,14 @@ class PlanConfig:
                         choices=tuple(DTYPE_BYTES))
     batch_size: int = option(8, "sequences per GPU in one forward (generation batch and train micro-batch)", low=1)
     prompt_length: int = option(512, "prompt tokens per sequence", low=1)
-    response_length: int = option(512, "generated tokens per sequence", low=1)
+    response_length: int = option(512, "generated tokens per sequence", low=1, flag="--max-new-tokens",
+                                  old_flags=("--response-length",))
     lora_r: int = option(0, "LoRA rank of the actor; 0 = full fine-tune (the reference is then a frozen copy)",
                          low=0)
     critic_lora_r: int | None = option(None, "LoRA rank of a separate critic; default: --lora-r; 0 = full", low=0)
     lora_targets: str = option("attn", "LoRA target projections: attn (q,k,v,o) or all (attn + MLP = all-linear)",
-                               choices=("attn", "all"))
+                               choices=("attn", "all"), flag="--lora-target-modules",
+                               old_flags=("--lora-targets",))
     zero: int = option(0, "ZeRO stage: 1 shards Adam+master, 2 + gradients, 3 + weights", choices=(0, 1, 2, 3))
     gpus: int = option(1, "GPUs the models are sharded over (data parallel)", low=1)
     gpu_memory: float = option(80.0, "memory of one GPU in GB (1e9 bytes)", low=0, low_open=True)

@@ -8,6 +8,12 @@ import os
 from tether.config import add_config_flags, resolve_config
 from tether.ppo.config import RunConfig
 
+# What `tether ppo --help` shows; `--help-all` shows every flag.
+COMMON = ("--policy", "--dtype", "--lora-r", "--prompts", "--eval-prompts", "--eval-fraction", "--reward", "--gold",
+          "--kl-coef", "--kl-controller", "--kl-target", "--advantage", "--samples-per-prompt", "--max-new-tokens",
+          "--temperature", "--steps", "--batch-size", "--mini-batches", "--ppo-epochs", "--lr", "--eval-every",
+          "--eval-n", "--eval-at-start", "--output-dir", "--seed", "--engine", "--log-with", "--progress")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (nested like the keys below); flags override it")
@@ -15,11 +21,12 @@ def add_arguments(parser) -> None:
                         help="continue the run in --output-dir from its newest complete checkpoint up to --steps")
     parser.add_argument("--dry-run", action="store_true",
                         help="print this run's memory plan and the launch checklist, then exit without training")
-    add_config_flags(parser, RunConfig)
+    add_config_flags(parser, RunConfig, COMMON)
 
 
 def run(args) -> int:
-    from tether.ppo.train import train
+    from tether.ppo.runlog import end_line
+    from tether.ppo.train import PPOTrainer
 
     cfg = resolve_config(RunConfig, args, args.config)
     if args.dry_run:
@@ -27,7 +34,7 @@ def run(args) -> int:
 
         print(dry_run(cfg))
         return 0
-    run_dir = train(cfg, resume=args.resume)  # PPOTrainer(cfg, resume=...).train(), as from Python
-    if os.environ.get("RANK", "0") == "0":  # one line, not one per process
-        print(f"tether ppo: run written to {run_dir}")
+    result = PPOTrainer(cfg, resume=args.resume).train()  # as from Python (tether.ppo.train.train)
+    if os.environ.get("RANK", "0") == "0":  # once, not once per process
+        print(end_line(result.run_dir, result.steps, result.stopped))
     return 0

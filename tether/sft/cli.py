@@ -8,12 +8,17 @@ import os
 from tether.config import add_config_flags, resolve_config
 from tether.sft.config import SFTConfig
 
+# What `tether sft --help` shows; `--help-all` shows every flag.
+COMMON = ("--model", "--dtype", "--lora-r", "--data", "--eval-data", "--eval-fraction", "--max-length", "--lr",
+          "--epochs", "--steps", "--batch-size", "--grad-accumulation", "--eval-every", "--output-dir", "--seed",
+          "--packing", "--progress")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (nested like the keys below); flags override it")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --output-dir from its newest checkpoint")
-    add_config_flags(parser, SFTConfig)
+    add_config_flags(parser, SFTConfig, COMMON)
 
 
 def run(args) -> int:

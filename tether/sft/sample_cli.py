@@ -6,10 +6,14 @@ from __future__ import annotations
 from tether.config import add_config_flags, resolve_config
 from tether.sft.sample import SampleConfig
 
+# What `tether sample --help` shows; `--help-all` shows every flag.
+COMMON = ("--policy", "--dtype", "--prompts", "--reward", "--min-score", "--keep", "--samples-per-prompt",
+          "--max-new-tokens", "--temperature", "--batch-size", "--output", "--seed", "--engine")
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (nested like the keys below); flags override it")
-    add_config_flags(parser, SampleConfig)
+    add_config_flags(parser, SampleConfig, COMMON)
 
 
 def run(args) -> int:

@@ -213,7 +213,7 @@ def setup(cfg: SFTConfig, given: Given) -> SFTRun:
     processes = open_processes(cfg.output_dir, trackers, cfg.model.dtype, cfg.collective_timeout_minutes)
     precision = Precision(DTYPES[cfg.model.dtype], processes.device.type)
     if processes.fsdp is not None and precision.dtype == torch.float16:
-        raise TetherError("--model-dtype fp16 under FSDP2: not supported (the loss scaler would need a "
+        raise TetherError("--dtype fp16 under FSDP2: not supported (the loss scaler would need a "
                           "cross-process inf check); use bf16, or fp16 with DDP")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # LoRA's initialisation and dropout: the same on every process
