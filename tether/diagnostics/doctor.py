@@ -189,10 +189,12 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
              ) -> Diagnosis:
     """Replay ``rows`` (metrics.jsonl) through the health monitor and name the cause.
 
-    Cause = the alarmed band with the earliest onset (ties: the order of the D.6 chain), except that an
-    alarmed gold band (reward hacking measured against the truth) is the cause whenever present; "not
-    learning" is named only when nothing else alarmed. ``run_config`` (the run's config.yaml) fills in
-    current values.
+    Cause = a reward with no signal over the first steps (:func:`~tether.diagnostics.headline.flat_reward`) above
+    all; else the alarmed band with the earliest onset (ties: the order of the D.6 chain), except that an alarmed
+    gold band (reward hacking measured against the truth) is the cause whenever present; "not learning" is named
+    only when nothing else alarmed. Alarms a held-out gain covers are notes (:func:`_vouch`); the warnings of
+    :mod:`tether.diagnostics.heldout` make a healthy run's headline a WARNING. ``run_config`` (the run's
+    config.yaml) fills in current values.
     """
     monitor = HealthMonitor(config)
     planned = (run_config or {}).get("steps")  # the last row is the run's final step only if it reached it
@@ -209,7 +211,8 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     alerts, vouched = _vouch(monitor.alerts(), monitor, rows)
     notes = vouched + notes
     failures = [a for a in alerts if a.failure_mode != NOT_LEARNING] or alerts
-    common = dict(unchecked=unchecked, n_steps=len(rows), phases=phase_seconds(rows), gold=gold, notes=notes,
+    # steps trained: step 0's row is the evaluation before the first step, not a step
+    common = dict(unchecked=unchecked, n_steps=sum(int(r["step"]) > 0 for r in rows), phases=phase_seconds(rows), gold=gold, notes=notes,
                   layout=rollout_layout(run_config or {}))
     flat = flat_reward(rows, monitor.config.baseline_steps)
     if flat is not None:  # ranked above every band: with no signal, the bands describe a drift on noise
