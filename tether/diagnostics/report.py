@@ -155,6 +155,8 @@ def _plots(runs: list[Run], config: HealthConfig) -> tuple[list[tuple[str, str]]
                 lo, hi = _series(run.rows, "response/length_min"), _series(run.rows, "response/length_max")
                 if lo[0] and lo[0] == hi[0]:
                     ax.fill_between(lo[0], lo[1], hi[1], color=color, alpha=0.12, lw=0)
+        if any(key.endswith("accuracy") for _, _, key, *_ in data):  # accuracies read as percentages
+            ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         if log and all(y > 0 for *_, ys in data for y in ys):
             ax.set_yscale("log")
         band = bands.get(band_name)
@@ -297,8 +299,10 @@ def _summary_table(runs: list[Run]) -> str:
     for name, key in [("steps", None), ("last reward", "objective/scores_raw"),
                       ("last eval reward", "eval/reward"), ("last gold accuracy", "eval/accuracy"),
                       ("last KL mean", "objective/kl")]:
-        vals = [len(r.rows) if key is None else (_series(r.rows, key)[1] or [None])[-1] for r in runs]
-        body.append(f"<tr><td>{name}</td>" + "".join(f"<td>{_fmt(v)}</td>" for v in vals) + "</tr>")
+        vals = [sum(int(x["step"]) > 0 for x in r.rows) if key is None  # step 0's evaluation row is not a step
+                else (_series(r.rows, key)[1] or [None])[-1] for r in runs]
+        shown = [f"{100 * v:.1f}%" if key == "eval/accuracy" and isinstance(v, float) else _fmt(v) for v in vals]
+        body.append(f"<tr><td>{name}</td>" + "".join(f"<td>{v}</td>" for v in shown) + "</tr>")
     return f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>"
 
 
