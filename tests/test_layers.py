@@ -10,7 +10,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tether"
 SHARED = {"cli", "config", "data", "presets", "checkpoint", "errors", "rules", "hf", "callbacks", "conversations",
-          "precision", "sharding", "tasks", "processes", "runlog", "export", "rule_calls", "prompt_rows"}
+          "precision", "sharding", "tasks", "processes", "runlog", "export", "rule_calls", "prompt_rows",
+          "task_gate"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
 RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "top": 6}
 
