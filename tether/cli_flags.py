@@ -58,7 +58,7 @@ KEYS = {
 }
 
 # Why an old flag was renamed, where the new name alone would not say it.
-NOTES = {"--target-kl": "it sets the KL controller's target (a KL to the reference); the PPO epoch early stop, "
+NOTES = {"--target-kl": "it sets the KL controller's target, a KL to the reference; the PPO epoch early stop, "
                         "CleanRL's target_kl, is --ppo-early-stop-kl"}
 
 
