@@ -268,6 +268,8 @@ def test_gated_as_a_rule_spec_and_none_rows():
     gates = [relevance_gate(p, r, min_own=1) for p, r in zip(prompts, responses)]
     assert gates[0] == 1.0 and gates[1] == 0.0  # the echo has nothing of its own
     assert fn(prompts, responses) == pytest.approx([c * g for c, g in zip(char_share(prompts, responses), gates)])
+    assert gated(prompts=prompts, completions=responses, check="tether.rules:char_share", min_own=1) == \
+        pytest.approx(fn(prompts, responses))  # TRL's keywords
     none_rule = task_and_check(lambda prompts, responses: [None, 1.0])
     assert none_rule(prompts, ["777 sevens rule", "777 sevens rule"]) == [None, 1.0]
     with pytest.raises(TetherError, match="needs check="):

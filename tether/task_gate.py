@@ -162,12 +162,13 @@ def _loaded(spec: str) -> Callable:
     return load_rule(spec, flag="tether.task_gate:gated check=")
 
 
-def gated(prompts, responses, check: str = "", min_own: int = 3, length_floor: float = 0.5, **fields) -> list:
+def gated(prompts=None, responses=None, check: str = "", min_own: int = 3, length_floor: float = 0.5,
+          completions=None, **fields) -> list:
     """:func:`task_and_check` for a rule spec: ``--reward tether.task_gate:gated:check=MODULE:FUNCTION[,min_own=N,
-    length_floor=F]``; the checker is loaded once."""
+    length_floor=F]``; the checker is loaded once. Called positionally or with TRL's ``completions=``."""
     if not check:
         from tether.errors import TetherError
 
         raise TetherError("tether.task_gate:gated: needs check=MODULE:FUNCTION (the checker it gates)")
     return task_and_check(_loaded(str(check)), min_own=int(min_own), length_floor=float(length_floor))(
-        prompts, responses, **fields)
+        prompts, responses, completions, **fields)
