@@ -11,7 +11,8 @@ from statistics import NormalDist
 
 import pytest
 
-from tether.config import add_config_flags, config_from_dict, resolve_config
+from tether.cli_flags import add_config_flags
+from tether.config import config_from_dict, resolve_config
 from tether.diagnostics.health import BANDS, GOLD_ALARM, GOLD_WARN, HealthConfig, HealthMonitor, resolve_bands
 from tether.errors import ConfigError
 

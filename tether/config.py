@@ -209,14 +209,6 @@ def load_yaml(cfg, path: str | Path) -> None:
         _set(cfg, key, value, f"{path}: key '{key}'")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls, common: tuple[str, ...] | None = None) -> None:
-    """Add one flag per config field (values parsed later by :func:`resolve_config`), grouped by concern;
-    see :func:`tether.cli_flags.add_config_flags` (``common``: the flags a short ``--help`` shows)."""
-    from tether.cli_flags import add_config_flags as add
-
-    add(parser, cls, common)
-
-
 def resolve_config(cls, args: argparse.Namespace, config_path: str | None = None):
     """Defaults ← YAML file ← command-line flags, each value checked; returns the config."""
     cfg = cls()

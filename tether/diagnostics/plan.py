@@ -41,7 +41,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from tether.config import add_config_flags, config_to_dict, option, resolve_config
+from tether.cli_flags import add_config_flags
+from tether.config import config_to_dict, option, resolve_config
 from tether.diagnostics.shapes import ModelShape, lora_params, lora_tensors, resolve_shape
 
 GB = 1e9

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tether.config import option
+from tether.config import MAX_NEW_TOKENS, check_fields, option
 from tether.core.correction import MODES as CORRECTION_MODES
 from tether.core.group import CRITIC_FREE, ESTIMATORS, GROUP_BASELINES
 from tether.core.kl import K3_CLIP
@@ -17,6 +17,8 @@ from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
 from tether.hf import DTYPE_ALIASES, DTYPES
 
+from tether.ppo.checks import (HELD_OUT_SHARE, MIN_PROMPTS_FOR_SHARE, check_defaults_apply, eval_every,
+                               run_warnings)
 
 @dataclass
 class ModelConfig:
@@ -52,7 +54,10 @@ class DataConfig:
     task_seed: int = option(0, "rg: tasks: the generator's seed")
     eval_prompts: str = option("", "held-out prompt file for evaluation; empty = split off --eval-fraction",
                                flag="--eval-prompts")
-    eval_fraction: float = option(0.0, "share of --prompts held out for evaluation when --eval-prompts is empty",
+    eval_fraction: float | None = option(None, "share of --prompts held out for evaluation, by prompt (all rows of a "
+                                         "prompt on one side; seeded by --seed); default: " f"{HELD_OUT_SHARE:g} of a "
+                                         f"file of at least {MIN_PROMPTS_FOR_SHARE} distinct prompts, none when "
+                                         "--eval-prompts or an rg: task gives the held-out ones; 0 = none",
                                   low=0.0, high=0.5, flag="--eval-fraction", old_flags=("--data-eval-fraction",))
     chat_template: str = option("auto", "wrap prompts in the tokenizer's chat template",
                                 choices=("auto", "on", "off"))
@@ -76,7 +81,7 @@ class GenerationConfig:
                                     "with its own --engine, and take the weights from the trainers after every "
                                     "update (layer by layer); 0 = every process trains and generates",
                                     low=0, flag="--rollout-processes")
-    max_new_tokens: int = option(48, "response length cap; rows cut here are 'truncated'", low=1,
+    max_new_tokens: int = option(MAX_NEW_TOKENS, "response length cap; rows cut here are 'truncated'", low=1,
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature everywhere",
                                 low=0.0, low_open=True, flag="--temperature")
@@ -257,10 +262,11 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = option(0, "evaluate every N steps (and at the end); 0 = never", low=0, flag="--eval-every")
+    every: int | None = option(None, "evaluate every N steps and at the last; default: max(1, steps // 10) when "
+                                "there are held-out prompts; 0 = never", low=0, flag="--eval-every")
     n: int = option(64, "held-out prompts per evaluation", low=1, flag="--eval-n")
     greedy: bool = option(True, "greedy decoding for evaluation (else sample at --temperature)")
-    at_start: bool = option(False, "also evaluate before the first step: a step-0 row in metrics.jsonl, the "
+    at_start: bool = option(True, "also evaluate before the first step: a step-0 row in metrics.jsonl, the "
                             "baseline the trend starts from", flag="--eval-at-start")
     samples: int = option(16, "responses written to samples/step_K.jsonl", low=0)
     kl_n: int = option(32, "held-out responses whose KL to the reference is computed (eval/kl_sequence, each sample's "
@@ -315,6 +321,7 @@ class RunConfig:
     def validate(self) -> None:
         self.health.validate()
         if not self.model.policy:
+        check_fields(self)  # every field's type, choices and bounds, named by key and flag (kl.coef (--kl-coef))
             raise ConfigError("--policy: required (a model directory or preset)")
         if not self.data.prompts:
             raise ConfigError("--prompts: required (a prompt file)")
@@ -351,6 +358,16 @@ class RunConfig:
         self.validate_advantage()
 
     def validate_advantage(self) -> None:
+        check_defaults_apply(self)
+
+    def warnings(self) -> list[str]:
+        """Settings legal but doing nothing in this run, one line each (:func:`tether.ppo.checks.run_warnings`)."""
+        return run_warnings(self)
+
+    @property
+    def eval_every(self) -> int:
+        """Evaluate every N steps: ``eval.every``, or by default max(1, steps // 10) with held-out prompts."""
+        return eval_every(self)
         estimator = self.advantage.estimator
         if estimator in GROUP_BASELINES and self.samples_per_prompt < 2:
             raise ConfigError(f"--advantage {estimator}: needs --samples-per-prompt of at least 2 (its baseline "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tether.diagnostics.engine_plan import engine_plan, format_engine_plan
 from tether.diagnostics.plan import PlanConfig, format_plan, levers, plan
 from tether.diagnostics.shapes import config_shape
+from tether.ppo.checks import held_out_fraction
 from tether.presets import resolve_model_path
 
 
@@ -39,8 +40,11 @@ def launch_checklist(cfg) -> list[CheckItem]:
     norm = f"clip [-{r.clip:g}, {r.clip:g}]" if r.clip else "no clip"
     norm += f", normalize {r.normalize}"
     return [
-        CheckItem("KL controller", f"{k.controller}, beta {k.coef:g}, target {k.target:g}",
-                  "adaptive, kl.target 0.01", k.controller != "fixed", "***"),
+        # beta > 0 is the safeguard; adaptive is the reference's way to hold it, not the default (docs/diagnostics.md)
+        CheckItem("KL penalty", f"{k.controller}, beta {k.coef:g}" + ("" if k.controller == "fixed" else
+                                                                      f", target {k.target:g}"),
+                  "beta > 0 (fixed, or --kl-controller adaptive with --kl-target 0.01 on long runs)", k.coef > 0,
+                  "***"),
         CheckItem("advantage normalisation", advantage, "per-batch z-score", p.whiten_advantages or critic_free,
                   "***"),
         CheckItem("value clipping", "no critic" if critic_free else
@@ -49,8 +53,8 @@ def launch_checklist(cfg) -> list[CheckItem]:
         CheckItem("early stop by KL",
                   f"{p.early_stop_factor:g} x --ppo-early-stop-kl {p.target_kl:g}, every epoch" if p.early_stop else "off",
                   "checked every epoch", p.early_stop, "***"),
-        CheckItem("held-out evaluation", f"every {cfg.eval.every} steps" if cfg.eval.every else "off",
-                  "every N steps", cfg.eval.every > 0 and bool(cfg.data.eval_prompts or cfg.data.eval_fraction), "***"),
+        CheckItem("held-out evaluation", f"every {cfg.eval_every} steps on {held_out_source(cfg)}" if cfg.eval_every
+                  else "off", "every N steps", cfg.eval_every > 0, "***"),
         CheckItem("old log-probs recomputed train-side", "always", "recomputed by the trainer", True, "***"),
         CheckItem("critic warm-up", "no critic" if critic_free else
                   f"{cfg.critic.warmup_steps} steps" if cfg.critic.warmup_steps else "off",
@@ -67,6 +71,14 @@ def launch_checklist(cfg) -> list[CheckItem]:
 
 
 def format_checklist(items: list[CheckItem]) -> str:
+def held_out_source(cfg) -> str:
+    """Where the held-out prompts come from, in the checklist's words."""
+    if cfg.data.eval_prompts:
+        return cfg.data.eval_prompts
+    if cfg.data.prompts.startswith("rg:"):
+        return f"{cfg.data.task_eval} task problems"
+    return f"{held_out_fraction(cfg):g} of the prompts"
+
     width = max(len(i.name) for i in items)
     set_width = max(len(i.setting) for i in items)
     lines = ["launch checklist (the usual PPO safeguards; *** matters most):"]
@@ -125,5 +137,6 @@ def dry_run(cfg) -> str:
                    "--gradient-checkpointing; ZeRO and offload are not there yet)")
     checklist = format_checklist(launch_checklist(cfg))
     engines = format_engine_plan(engine_plan(shape, plan_cfg), plan_cfg)
+    checklist += "".join(f"\nwarning: {line}" for line in cfg.warnings())
     return "\n".join(notes) + "\n" + format_plan(shape, plan_cfg, result, levers(shape, plan_cfg, result["peak"])) \
         + "\n" + levers_note + "\n\n" + engines + "\n\n" + checklist

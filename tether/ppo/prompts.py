@@ -1,9 +1,11 @@
 """Prompt datasets for PPO: the rows in the shapes users have (:mod:`tether.prompt_rows`, shared with SFT and
-``tether sample``; importable from here as before), and a resumable, seeded stream (:class:`PromptStream`).
+``tether sample``; importable from here as before), the held-out split by prompt (:func:`split_held_out`), and a
+resumable, seeded stream (:class:`PromptStream`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,31 @@ from tether.prompt_rows import (  # noqa: F401 - this module's API since before 
 )
 from tether.ppo.curriculum import Curriculum
 
+
+
+def prompt_group_key(prompt) -> str:
+    """What makes two rows the same prompt: the text, or a conversation's messages (as canonical JSON)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def split_held_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """``(train, held_out)`` rows, split **by prompt**: every row of one prompt lands on one side, so no held-out
+    prompt is ever trained on, even where the file repeats it. The distinct prompts, in the order they first
+    appear, are permuted by ``torch.randperm`` seeded with ``seed``; whole prompts from the front of the permutation
+    are held out until they hold ``max(1, int(len(rows) * fraction))`` rows, and never the last one (something must
+    be left to train on). The training rows follow the permutation. Where every prompt is distinct this is the
+    row split of earlier versions, row for row (a recipe's held-out problems do not move)."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(prompt_group_key(row["prompt"]), []).append(row)
+    prompts = list(groups)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
+    target, held, n_held = max(1, int(len(rows) * fraction)), 0, 0
+    while held < len(order) - 1 and n_held < target:
+        n_held += len(groups[prompts[order[held]]])
+        held += 1
+    return ([row for i in order[held:] for row in groups[prompts[i]]],
+            [row for i in order[:held] for row in groups[prompts[i]]])
 
 @dataclass
 class PromptStream:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from tether.config import add_config_flags, resolve_config
+from tether.cli_flags import add_config_flags
+from tether.config import resolve_config
 from tether.sft.config import SFTConfig
 
 # What `tether sft --help` shows; `--help-all` shows every flag.

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from tether.config import add_config_flags, resolve_config
+from tether.cli_flags import add_config_flags
+from tether.config import resolve_config
 from tether.sft.sample import SampleConfig
 
 # What `tether sample --help` shows; `--help-all` shows every flag.
