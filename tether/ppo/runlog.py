@@ -61,9 +61,7 @@ def start_summary(run, cfg, steps_done: int) -> str:
     total = sum(p.numel() for p in models.unwrapped_policy.parameters())
     trainable = sum(p.numel() for p in run.optim.policy_params)
     critic = sum(p.numel() for p in run.optim.critic_params)
-    sources = ", ".join(cfg.reward.sources) or "given from Python"
-    if len(data.sources) > len(cfg.reward.sources):
-        sources += f" (+{len(data.sources) - len(cfg.reward.sources)} from Python)"
+    sources = ", ".join(cfg.reward.sources)  # rewards given from Python are recorded here too (tether.ppo.inputs)
     gold = "none (no accuracy)" if data.gold is None else cfg.reward.gold
     evals = f"every {data.eval_every} steps and at the end" if data.eval_every else "off"
     lines = [
