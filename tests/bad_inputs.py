@@ -36,6 +36,8 @@ def build(root: Path) -> dict[str, Path]:
     text("empty_prompt.jsonl", json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "  "}) + "\n")
     text("huge_line.jsonl", json.dumps({"prompt": "1" * 200_000 + "+2="}) + "\n")
     text("not_object.jsonl", "[1, 2]\n")
+    text("five_prompts.jsonl", "".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(5)))
+    text("one_prompt.jsonl", json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+1="}) + "\n")
     # model directories
     no_weights = root / "no_weights"
     shutil.copytree(f["policy"], no_weights)
@@ -49,6 +51,8 @@ def build(root: Path) -> dict[str, Path]:
     _save_tiny_reward_model(no_metadata_rm)
     (no_metadata_rm / "tether_reward.json").unlink()
     f["no_metadata_rm"] = no_metadata_rm
+    _save_tiny_reward_model(root / "tiny_rm")  # a good reward model, where a policy belongs
+    f["tiny_rm"] = root / "tiny_rm"
     no_tok = root / "no_tokenizer"
     no_tok.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -87,6 +91,9 @@ def build(root: Path) -> dict[str, Path]:
     text("pairs.jsonl", "".join(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i)}) + "\n"
                                 for i in range(10)))
     text("empty.jsonl", "")
+    # the chosen reply longer in every pair: --balance-length keeps none
+    text("chosen_longer.jsonl", "".join(json.dumps({"prompt": f"{i}+1=", "chosen": "1" * (2 + i % 3), "rejected": "1"})
+                                        + "\n" for i in range(20)))
     text("pairs_wrong_columns.jsonl", json.dumps({"prompt": "p", "good": "a", "bad": "b"}) + "\n")
     return f
 

@@ -65,8 +65,7 @@ CASES = [
      "no_pad_no_eos: the tokenizer has neither a pad nor an EOS"),
     # reward directories
     ("reward dir is a plain LM", ppo, {"--reward": "policy"},
-     "policy: not a tether reward model (no tether_reward.json)"),
-    ("reward dir without metadata", ppo, {"--reward": "no_metadata_rm"}, "no_metadata_rm: not a tether reward model"),
+     "{policy}: not a"),  # (no tether_reward.json: tether's; #49 also takes a TRL sequence classifier)
     ("reward dir corrupt weights", ppo, {"--reward": "corrupt_rm"}, "corrupt_rm: cannot load model weights"),
     # rule specs
     ("rule not callable", ppo, {"--reward": "@bad_rules:not_callable"},
@@ -84,7 +83,25 @@ CASES = [
     # new flags
     ("save-every-minutes negative", ppo, {"--save-every-minutes": "@-1"}, "--save-every-minutes: must be >= 0.0"),
     ("max-skipped-steps zero", ppo, {"--max-skipped-steps": "@0"}, "--max-skipped-steps: must be >= 1"),
+    # settings that can never work (#49)
+    ("policy is a reward model", ppo, {"--policy": "tiny_rm"},
+     "--policy " + "{tiny_rm}: a tether reward model (tether_reward.json), not a policy; give it to --reward"),
+    ("adaptive KL from beta 0", ppo, {"--kl-controller": "@adaptive", "--kl-coef": "@0"},
+     "--kl-controller adaptive with --kl-coef 0: the controller multiplies beta, so a beta of 0 never moves"),
+    ("proportional KL from beta 0", ppo, {"--kl-controller": "@proportional", "--kl-coef": "@0"},
+     "--kl-controller proportional with --kl-coef 0"),
+    ("eval-every with no held-out share", ppo, {"--eval-every": "@5", "--eval-fraction": "@0"},
+     "--eval-every 5: no held-out prompts to evaluate (--eval-fraction 0 and no --eval-prompts)"),
+    ("eval-every, too few prompts for the default share", ppo, {"--eval-every": "@5", "--prompts": "five_prompts.jsonl"},
+     "--eval-every 5: no held-out prompts (--prompts " + "{five_prompts.jsonl} has 5 distinct prompts, too few"),
+    ("eval-fraction of one distinct prompt", ppo, {"--eval-fraction": "@0.2", "--prompts": "one_prompt.jsonl"},
+     "--eval-fraction 0.2: --prompts " + "{one_prompt.jsonl} has one distinct prompt"),
     # train-rm
+    ("train-rm balance-length keeps no pair", train_rm, {"--data": "chosen_longer.jsonl", "--balance-length": "@true"},
+     "chosen_longer.jsonl: --balance-length kept no pair: the chosen reply is longer in all"),
+    ("train-rm balance-length keeps no pair, length expert", train_rm,
+     {"--data": "chosen_longer.jsonl", "--balance-length": "@true", "--length-expert": "@true"},
+     "chosen_longer.jsonl: --balance-length kept no pair"),
     ("train-rm one pair", train_rm, {}, "one_pair.jsonl"),
     ("train-rm empty file", train_rm, {"--data": "empty.jsonl"}, "empty.jsonl"),
     ("train-rm wrong columns", train_rm, {"--data": "pairs_wrong_columns.jsonl"},
@@ -121,6 +138,8 @@ def test_bad_input_is_one_line_exit_2_outputs_intact(f, tmp_path, capsys, name, 
     code = main(command(f, out, **{k: resolve(f, tmp_path, v) for k, v in flags.items()}))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, err
+    for key, path in f.items():  # "{key}" in the expected text: that built file's path
+        expected = expected.replace("{" + key + "}", str(path))
     assert len(err) == 1 and expected in err[0], err
     if before is not None:
         assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -139,4 +158,90 @@ def test_resume_with_different_settings_is_refused(f, tmp_path, capsys):
     assert "--resume: kl.coef is 0.2 but the run in" in err[0] and "was made with 0.05" in err[0], err
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert main(ppo(f, out, **{"--steps": "2", "--eval-every": "1"}) + ["--resume"]) == 0  # these may change
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    # the step-0 evaluation of the first start (held-out prompts are evaluated by default), then the two steps
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def _set_key(cfg, key, value):
+    obj = cfg
+    *parts, last = key.split(".")
+    for part in parts:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+    return cfg
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("kl.coef", -1, "kl.coef (--kl-coef): must be >= 0.0, got -1"),
+    ("steps", "three", "steps (--steps): expected an integer, got 'three'"),
+    ("optim.lr", -1, "optim.lr (--lr): must be > 0.0, got -1"),
+    ("generation.temperature", 0, "generation.temperature (--temperature): must be > 0.0, got 0"),
+])
+def test_validate_refuses_from_python_what_the_trainer_refuses(key, value, expected):
+    """RunConfig.validate() is the one place of the checks: the trainer's check_config says the same line. A value
+    set from Python is named by its key and its flag."""
+    from tether.config import check_config
+    from tether.errors import ConfigError
+    from tether.ppo.config import RunConfig
+
+    def config():
+        cfg = RunConfig()
+        cfg.model.policy, cfg.data.prompts, cfg.reward.sources = "policy", "prompts.jsonl", ["m:f"]
+        return _set_key(cfg, key, value)
+
+    with pytest.raises(ConfigError) as by_validate:
+        config().validate()
+    with pytest.raises(ConfigError) as by_trainer:
+        check_config(config())
+    assert str(by_validate.value).startswith(expected) and str(by_trainer.value) == str(by_validate.value)
+
+
+@pytest.mark.parametrize("cls, key, value, expected", [
+    ("tether.rm.config:RewardTrainingConfig", "optim.lr", -1.0, "optim.lr (--lr): must be > 0.0, got -1.0"),
+    ("tether.rm.config:RewardTrainingConfig", "data.eval_fraction", 2.0, "data.eval_fraction (--eval-fraction): must"),
+    ("tether.sft.config:SFTConfig", "optim.lr", -1.0, "optim.lr (--lr): must be > 0.0, got -1.0"),
+])
+def test_the_other_stages_validate_their_fields_too(cls, key, value, expected):
+    import importlib
+
+    from tether.errors import ConfigError
+
+    module, name = cls.split(":")
+    cfg = _set_key(getattr(importlib.import_module(module), name)(), key, value)
+    with pytest.raises(ConfigError, match="^" + expected.replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("keys, expected", [
+    ({}, None),
+    ({"critic.kind": "separate", "advantage.estimator": "grpo", "samples_per_prompt": 2},
+     "--critic separate: ignored; --advantage grpo builds no critic"),
+    ({"critic.model": "rm", "advantage.estimator": "rloo", "samples_per_prompt": 2},
+     "--critic head --critic-model rm: ignored; --advantage rloo builds no critic"),
+    ({"correction.mode": "tis"}, "--rollout-correction tis: the transformers engine samples with the trained weights"),
+    ({"correction.mode": "tis", "generation.engine": "vllm"}, None),
+    ({"data.eval_fraction": 0.2, "data.eval_prompts": "held.jsonl"},
+     "--eval-fraction 0.2: ignored; the held-out prompts are --eval-prompts held.jsonl"),
+    ({"data.eval_fraction": 0.2, "data.prompts": "rg:chain_sum"},
+     "--eval-fraction 0.2: ignored; the held-out prompts are the task's own held-out problems"),
+])
+def test_settings_that_do_nothing_get_one_warning_line(keys, expected):
+    from tether.ppo.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.model.policy, cfg.data.prompts, cfg.reward.sources = "policy", "prompts.jsonl", ["m:f"]
+    for key, value in keys.items():
+        _set_key(cfg, key, value)
+    cfg.validate()
+    warnings = cfg.warnings()
+    if expected is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(expected), warnings
+
+
+def test_a_warning_is_printed_once_and_the_run_goes_on(f, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(ppo(f, out, **{"--critic": "separate", "--advantage": "grpo", "--samples-per-prompt": "2"}))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warnings) == 1 and "--critic separate: ignored" in warnings[0], warnings

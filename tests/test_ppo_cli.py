@@ -32,7 +32,7 @@ def base_args(files, out):
 def test_cli_end_to_end_and_yaml(files, tmp_path, capsys):
     config = tmp_path / "ppo.yaml"
     config.write_text("kl:\n  coef: 0.1\n  controller: adaptive\nppo:\n  epochs: 2\n  target_kl: 0.5\n"
-                      "eval:\n  every: 1\n  n: 4\ndata:\n  eval_fraction: 0.25\n"
+                      "eval:\n  every: 1\n  n: 4\n  at_start: false\ndata:\n  eval_fraction: 0.25\n"
                       "reward:\n  gold: tether.demo.task:gold_reward\n")
     out = tmp_path / "run"
     assert main(base_args(files, out) + ["--config", str(config), "--steps", "3", "--ppo-target-kl", "0.02"]) == 0
@@ -278,13 +278,12 @@ def test_dry_run_prints_the_plan_and_the_checklist_and_trains_nothing(files, tmp
     printed = capsys.readouterr().out
     assert "peak:" in printed and "FITS" in printed and "launch checklist" in printed
     assert not out.exists()  # nothing written, nothing trained
-    line = next(x for x in printed.splitlines() if "KL controller" in x)
-    assert line.lstrip().startswith("--") and "recommended: adaptive" in line  # fixed beta: flagged
-    assert main(base_args(files, out) + ["--dry-run", "--kl-controller", "adaptive", "--eval-every", "5",
-                                         "--data-eval-fraction", "0.25"]) == 0
-    printed = capsys.readouterr().out
-    for item in ("KL controller", "held-out evaluation"):
+    for item in ("KL penalty", "held-out evaluation"):  # the defaults are what the checklist recommends (#49)
         assert next(x for x in printed.splitlines() if item in x).lstrip().startswith("ok"), item
+    assert main(base_args(files, out) + ["--dry-run", "--kl-coef", "0", "--eval-fraction", "0"]) == 0
+    printed = capsys.readouterr().out
+    for item in ("KL penalty", "held-out evaluation"):  # no tether, nothing held out: flagged
+        assert next(x for x in printed.splitlines() if item in x).lstrip().startswith("--"), item
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])

@@ -21,6 +21,10 @@ from tether.errors import ConfigError
 
 _MISSING = dataclasses.MISSING
 
+# One answer-length cap for every stage that generates (PPO's rollouts, SFT's gold evaluation, tether sample):
+# 256 tokens hold a worked GSM8K answer, where a cut reply earns 0 from the math rules.
+MAX_NEW_TOKENS = 256
+
 
 def option(default: Any = _MISSING, help: str = "", *, choices: tuple | None = None,
            low: float | None = None, high: float | None = None, low_open: bool = False,
@@ -221,18 +225,32 @@ def resolve_config(cls, args: argparse.Namespace, config_path: str | None = None
     return check_config(cfg)
 
 
-def check_config(cfg):
-    """Every field of ``cfg`` through the checks a flag's value gets (type, choices, bounds; older spellings
-    of choices replaced), then the config's ``validate()``: the one validation path of a config however it was
-    made — flags, YAML, or fields set from Python (a bad value is the same one-line error, naming the flag).
-    Returns ``cfg``, checked in place."""
+def named(key: str, f: dataclasses.Field) -> str:
+    """How an error names a field: its config key and its flag, ``kl.coef (--kl-coef)`` -- the key a Python or
+    YAML user set and the flag a command-line user typed, in one message that serves both."""
+    return f"{key} ({flag_of(key, f)})"
+
+
+def check_fields(cfg):
+    """Every field of ``cfg`` through the checks a flag's value gets (type, choices, bounds; older spellings of
+    choices replaced); a bad value is one line naming the key and the flag (:func:`named`). The configs'
+    ``validate()`` starts with it, so a config set from Python is refused by ``validate()`` itself, as the
+    trainer and the command line refuse it. Returns ``cfg``, checked in place."""
     for key, f, _ in leaf_fields(type(cfg)):
         obj = cfg
         for part in key.split(".")[:-1]:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"{key.rsplit('.', 1)[0]}: expected a config section, got {type(obj).__name__}")
-        _set(cfg, key, getattr(obj, f.name), flag_of(key, f))
+        _set(cfg, key, getattr(obj, f.name), named(key, f))
+    return cfg
+
+
+def check_config(cfg):
+    """The one validation path of a config however it was made -- flags, YAML, or fields set from Python:
+    :func:`check_fields`, then the config's ``validate()`` (the cross-field checks). Returns ``cfg``, checked in
+    place."""
+    check_fields(cfg)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
         validate()
@@ -245,7 +263,7 @@ def as_config(cls, config, check: bool = True):
     (the caller completes it first)."""
     if isinstance(config, dict):
         cfg = cls()
-        for key, value in flatten(config).items():  # values checked below, named by their flags as on the CLI
+        for key, value in flatten(config).items():  # values checked below, named by key and flag
             _set(cfg, key, value, f"config: key '{key}'", check=False)
         config = cfg
     elif isinstance(config, (str, Path)):

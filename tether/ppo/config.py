@@ -16,9 +16,9 @@ from tether.core.steps import AGGREGATIONS
 from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
 from tether.hf import DTYPE_ALIASES, DTYPES
-
 from tether.ppo.checks import (HELD_OUT_SHARE, MIN_PROMPTS_FOR_SHARE, check_defaults_apply, eval_every,
                                run_warnings)
+
 
 @dataclass
 class ModelConfig:
@@ -319,9 +319,9 @@ class RunConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def validate(self) -> None:
+        check_fields(self)  # every field's type, choices and bounds, named by key and flag (kl.coef (--kl-coef))
         self.health.validate()
         if not self.model.policy:
-        check_fields(self)  # every field's type, choices and bounds, named by key and flag (kl.coef (--kl-coef))
             raise ConfigError("--policy: required (a model directory or preset)")
         if not self.data.prompts:
             raise ConfigError("--prompts: required (a prompt file)")
@@ -356,8 +356,6 @@ class RunConfig:
             raise ConfigError(f"--grad-accumulation: {self.ppo.grad_accumulation} does not divide the "
                               f"minibatch of {self.minibatch_size} rows")
         self.validate_advantage()
-
-    def validate_advantage(self) -> None:
         check_defaults_apply(self)
 
     def warnings(self) -> list[str]:
@@ -368,6 +366,8 @@ class RunConfig:
     def eval_every(self) -> int:
         """Evaluate every N steps: ``eval.every``, or by default max(1, steps // 10) with held-out prompts."""
         return eval_every(self)
+
+    def validate_advantage(self) -> None:
         estimator = self.advantage.estimator
         if estimator in GROUP_BASELINES and self.samples_per_prompt < 2:
             raise ConfigError(f"--advantage {estimator}: needs --samples-per-prompt of at least 2 (its baseline "

@@ -40,7 +40,7 @@ def launch_checklist(cfg) -> list[CheckItem]:
     norm = f"clip [-{r.clip:g}, {r.clip:g}]" if r.clip else "no clip"
     norm += f", normalize {r.normalize}"
     return [
-        # beta > 0 is the safeguard; adaptive is the reference's way to hold it, not the default (docs/diagnostics.md)
+        # beta > 0 is the safeguard; the adaptive controller is one way to hold it (docs/defaults.md)
         CheckItem("KL penalty", f"{k.controller}, beta {k.coef:g}" + ("" if k.controller == "fixed" else
                                                                       f", target {k.target:g}"),
                   "beta > 0 (fixed, or --kl-controller adaptive with --kl-target 0.01 on long runs)", k.coef > 0,
@@ -70,7 +70,6 @@ def launch_checklist(cfg) -> list[CheckItem]:
     ]
 
 
-def format_checklist(items: list[CheckItem]) -> str:
 def held_out_source(cfg) -> str:
     """Where the held-out prompts come from, in the checklist's words."""
     if cfg.data.eval_prompts:
@@ -79,6 +78,7 @@ def held_out_source(cfg) -> str:
         return f"{cfg.data.task_eval} task problems"
     return f"{held_out_fraction(cfg):g} of the prompts"
 
+def format_checklist(items: list[CheckItem]) -> str:
     width = max(len(i.name) for i in items)
     set_width = max(len(i.setting) for i in items)
     lines = ["launch checklist (the usual PPO safeguards; *** matters most):"]
@@ -136,7 +136,7 @@ def dry_run(cfg) -> str:
                    "--advantage rloo|grpo|dr_grpo|reinforce_pp, --batch-size, "
                    "--gradient-checkpointing; ZeRO and offload are not there yet)")
     checklist = format_checklist(launch_checklist(cfg))
-    engines = format_engine_plan(engine_plan(shape, plan_cfg), plan_cfg)
     checklist += "".join(f"\nwarning: {line}" for line in cfg.warnings())
+    engines = format_engine_plan(engine_plan(shape, plan_cfg), plan_cfg)
     return "\n".join(notes) + "\n" + format_plan(shape, plan_cfg, result, levers(shape, plan_cfg, result["peak"])) \
         + "\n" + levers_note + "\n\n" + engines + "\n\n" + checklist

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -26,6 +27,7 @@ from torch import nn
 from tether.core.kl import FixedKLController, make_kl_controller
 from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, load_tokenizer
+from tether.ppo.checks import MIN_PROMPTS_FOR_SHARE, held_out_fraction
 from tether.ppo.curriculum import Curriculum
 from tether.ppo.forward import ForwardOptions, checked_forward_options
 from tether.ppo.inputs import GivenInputs
@@ -39,7 +41,7 @@ from tether.ppo.models import (
 from tether.ppo.offpolicy import OneStepOff
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
-from tether.ppo.prompts import PromptStream, load_prompts
+from tether.ppo.prompts import PromptStream, load_prompts, prompt_group_key, split_held_out
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir
 from tether.precision import Precision
 from tether.rule_calls import gold_rule
@@ -94,6 +96,7 @@ class Data:
 
     prompts: PromptStream
     eval_rows: list[dict]
+    eval_every: int                # evaluate every N steps and at the last; 0 = never (no held-out rows)
     sources: list[Callable]        # each (prompts, responses, fields) -> (B,) scores
     gold: Callable | None          # rule for eval/accuracy
     running_scores: RunningMoments
@@ -123,8 +126,9 @@ def resolve_gold(spec: str, rows: list[dict], given=None):
 
 
 def load_prompt_sets(cfg, given: GivenInputs | None = None) -> tuple[list[dict], list[dict]]:
-    """Training and held-out prompt rows (a seeded split of --prompts when there is no --eval-prompts); ``given``:
-    rows handed over from Python in place of the files."""
+    """Training and held-out prompt rows: --eval-prompts, an rg: task's own held-out problems, or a share of
+    --prompts split off by prompt (:func:`split_prompts`); ``given``: rows handed over from Python in place of the
+    files."""
     given = given or GivenInputs()
     if given.prompts is None and cfg.data.prompts.startswith("rg:"):  # a generated task: its own held-out split
         from tether.tasks import split_rows
@@ -138,12 +142,26 @@ def load_prompt_sets(cfg, given: GivenInputs | None = None) -> tuple[list[dict],
         return rows, given.eval_prompts
     if cfg.data.eval_prompts:
         return rows, load_prompts(cfg.data.eval_prompts)
-    if cfg.data.eval_fraction > 0:
-        g = torch.Generator().manual_seed(cfg.seed)
-        order = torch.randperm(len(rows), generator=g).tolist()
-        n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
-        return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
-    return rows, []
+    return split_prompts(cfg, rows)
+
+
+def split_prompts(cfg, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The held-out share of ``rows`` (data.eval_fraction, by default 0.1: :func:`tether.ppo.checks.held_out_fraction`)
+    split off by prompt, seeded by --seed. The default share holds out nothing from a file of fewer than 10 distinct
+    prompts; an explicit one needs two (one to hold out, one to train on)."""
+    fraction = held_out_fraction(cfg)
+    n_prompts = len({prompt_group_key(r["prompt"]) for r in rows})
+    if not fraction or (cfg.data.eval_fraction is None and n_prompts < MIN_PROMPTS_FOR_SHARE):
+        if cfg.eval.every:  # asked for evaluation, and nothing to evaluate on
+            raise TetherError(f"--eval-every {cfg.eval.every}: no held-out prompts (--prompts {cfg.data.prompts} has "
+                              f"{n_prompts} distinct prompts, too few for the default held-out share, which needs "
+                              f"{MIN_PROMPTS_FOR_SHARE}); give --eval-fraction F or --eval-prompts FILE, or "
+                              "--eval-every 0")
+        return rows, []
+    if n_prompts < 2:
+        raise TetherError(f"--eval-fraction {fraction:g}: --prompts {cfg.data.prompts} has one distinct prompt, and "
+                          "holding it out leaves nothing to train on; give --eval-prompts FILE, or --eval-fraction 0")
+    return split_held_out(rows, fraction, cfg.seed)
 
 
 def default_critic_backbone(cfg, tokenizer, policy_path: Path) -> Path:
@@ -280,6 +298,9 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
                           "cross-process inf check); use bf16, or fp16 with DDP")
 
     train_rows, eval_rows = load_prompt_sets(cfg, given)
+    if processes.is_main:  # legal settings that do nothing here: one line each, once
+        for line in cfg.warnings():
+            print(f"warning: {line}", file=sys.stderr)
     policy, tokenizer, policy_path = load_policy(cfg.model)
     sources = build_sources(cfg.reward.sources, cfg.reward.ensemble, cfg.reward.batch_size, processes.device,
                             cfg.reward.process, cfg.reward.process_threshold, given.rewards if given else None)
@@ -311,6 +332,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
                                 cfg.difficulty.pass_threshold)
     data = Data(prompts=PromptStream(train_rows, cfg.batch_size, cfg.seed, processes.rank, processes.world_size,
                                      curriculum=curriculum),
-                eval_rows=eval_rows, sources=sources, gold=gold, running_scores=RunningMoments(),
+                eval_rows=eval_rows, eval_every=cfg.eval_every if eval_rows else 0, sources=sources, gold=gold,
+                running_scores=RunningMoments(),
                 ahead=OneStepOff() if cfg.generation.async_rollout else None)
     return Run(processes, models, optim, data, throughput_of(models, processes.device, precision.dtype))

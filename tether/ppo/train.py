@@ -127,7 +127,7 @@ class PPOTrainer:
         self.stopped: str | None = None   # why the run stops before cfg.steps: a callback's reason or ALARM
         self.last_row: dict = {}
         self.result: TrainResult | None = None
-        if cfg.eval.every and cfg.eval.at_start and self.steps_done == 0:
+        if run.data.eval_every and cfg.eval.at_start and self.steps_done == 0:
             with self.log.closed_on_error():
                 self.log.metrics(row0 := {"step": 0, **self.evaluated(0)})
                 self.bar.evaluated(row0)
@@ -154,7 +154,7 @@ class PPOTrainer:
         metrics = ppo_step(run, cfg, step)
         notes = metrics.pop("health/notes", [])
         self.skip_streak = self.skip_streak + 1 if metrics["ppo/updates"] == 0 else 0
-        if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+        if run.data.eval_every and (step % run.data.eval_every == 0 or step == cfg.steps):
             metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
         record = StepRecord(step=step, metrics={"step": step, **metrics})
         row = self.callbacks("on_step_end", record, into=record.metrics)

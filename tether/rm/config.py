@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tether.config import option
+from tether.config import check_fields, option
 from tether.errors import ConfigError
 from tether.hf import DTYPE_ALIASES, DTYPES
 
@@ -94,8 +94,9 @@ class RewardTrainingConfig:
                           "own head for encoders), last_token, mean (masked mean of the last hidden states, "
                           "what sentence encoders such as MiniLM were trained for), model",
                           choices=("auto", "last_token", "mean", "model"), flag="--pooling")
-    disable_dropout: bool = option(False, "set every dropout probability to 0 during training (as TRL does), so "
-                                   "chosen and rejected see the same network", flag="--disable-dropout")
+    disable_dropout: bool = option(True, "set every dropout probability to 0 during training (as TRL does), so "
+                                   "chosen and rejected see the same network; false keeps the model's own",
+                                   flag="--disable-dropout")
     process: bool = option(False, "train a process reward model: step-labelled data, one score per step, "
                            "per-step binary cross-entropy (see docs/process-reward.md)", flag="--process")
     norm_sample: int = option(1000, "train pairs added to the held-out ones for the score mean/std", low=0,
@@ -118,6 +119,7 @@ class RewardTrainingConfig:
         return unescape_separator(self.data.step_separator)
 
     def validate(self) -> None:
+        check_fields(self)  # every field's type, choices and bounds, named by key and flag
         if not self.model:
             raise ConfigError("--model is required (a local Hugging Face model directory)")
         if not self.data.files:

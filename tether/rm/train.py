@@ -185,6 +185,10 @@ def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
         train = balance_by_length(train, cfg.seed)
         data_info["balanced_train"] = len(train)
         print(f"balance-length: kept {len(train)} of {n_before} train pairs (chosen longer = chosen shorter)")
+        if not train:  # every pair's chosen is longer (or every one's shorter): nothing is left to train on
+            raise DataError(f"{source}: --balance-length kept no pair: the chosen reply is longer in all {n_before} "
+                            "train pairs or shorter in all of them, and none has equal lengths; use --length-expert "
+                            "or --length-reg to control length instead")
     if cfg.data.balance_replies:
         n_before = len(train)
         train = balance_by_reply(train, cfg.seed)
@@ -208,12 +212,12 @@ def load_model(cfg: RewardTrainingConfig, model_path: Path, device: torch.device
     model, head_is_new = load_sequence_classifier(
         model_path, dtype=DTYPES[cfg.dtype] if lora else torch.float32, new_head=True)
     ensure_pad_token(tokenizer, model)
+    if cfg.disable_dropout:  # the backbone's dropout; a LoRA adapter's own (--lora-dropout) is added after, as set
+        disable_dropout(model)
     if lora:
         model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
                            task_type="SEQ_CLS", modules_to_save=head_modules(model))
     pooling = check_pooling(model, cfg.pooling)
-    if cfg.disable_dropout:
-        disable_dropout(model)
     model.to(device)
     max_length = clamp_max_length(cfg.data.max_length, model)
     # a PRM's text is plain (prompt + separator + steps): its read-out tokens are the steps' separators

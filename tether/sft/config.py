@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tether.config import option
+from tether.config import MAX_NEW_TOKENS, check_fields, option
 from tether.errors import ConfigError
 from tether.hf import DTYPE_ALIASES, DTYPES
 
@@ -106,8 +106,8 @@ class EvalConfig:
     gold: str = option("auto", "rule of eval/accuracy (greedy answers): module:function, 'auto' (the math rule when "
                        "the prompts carry an answer) or 'none'", flag="--gold")
     n: int = option(64, "held-out prompts answered per gold evaluation", low=1, flag="--eval-n")
-    max_new_tokens: int = option(256, "answer length cap of the gold evaluation (as tether ppo's --max-new-tokens)",
-                                 low=1, flag="--max-new-tokens")
+    max_new_tokens: int = option(MAX_NEW_TOKENS, "answer length cap of the gold evaluation (the same default as "
+                                 "tether ppo's and tether sample's --max-new-tokens)", low=1, flag="--max-new-tokens")
     max_prompt_length: int = option(512, "gold evaluation prompts longer than this (tokens) are cut from the left",
                                     low=1)
     samples: int = option(16, "greedy answers written to samples/step_K.jsonl", low=0)
@@ -139,6 +139,7 @@ class SFTConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
+        check_fields(self)  # every field's type, choices and bounds, named by key and flag
         if not self.model.path:
             raise ConfigError("--model: required (a model directory or preset)")
         if not self.data.files:

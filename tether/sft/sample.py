@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tether.config import as_config, config_to_dict, option
+from tether.config import MAX_NEW_TOKENS, as_config, config_to_dict, option
 from tether.errors import ConfigError, TetherError
 from tether.hf import DTYPE_ALIASES, DTYPES
 
@@ -72,7 +72,7 @@ class SampleGeneration:
                          choices=("transformers", "vllm"), flag="--engine")
     engine_tp: int = option(1, "vLLM tensor parallelism (processes per engine); 1 here", low=1, high=1,
                            flag="--engine-tp", old_flags=("--generation-engine-tp",))
-    max_new_tokens: int = option(256, "sample length cap; samples cut here did not end with EOS", low=1,
+    max_new_tokens: int = option(MAX_NEW_TOKENS, "sample length cap; samples cut here did not end with EOS", low=1,
                                  flag="--max-new-tokens")
     temperature: float = option(1.0, "sampling temperature (softmax(logits / T), nothing truncated)", low=0.0,
                                 low_open=True, flag="--temperature")
