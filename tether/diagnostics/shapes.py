@@ -155,9 +155,17 @@ def config_shape(path: str | Path) -> ModelShape:
 def resolve_shape(model: str) -> ModelShape:
     if model.lower() in PRESETS:
         return preset_shape(model.lower())
-    if Path(model).exists() or "/" in model or model.endswith(".json"):
+    if Path(model).exists() or model.endswith(".json"):
         return config_shape(model)
-    raise TetherError(f"--model: unknown preset {model!r} (presets: {', '.join(PRESETS)}; or a config.json path)")
+    from tether.hub import model_config, parse_model_id
+
+    parsed = parse_model_id(model)
+    if parsed is None:  # plainly a path
+        return config_shape(model)
+    # a Hugging Face Hub id: its config.json alone (the cached copy offline)
+    refused = (f"--model {model}: not a config.json path" if "/" in model else
+               f"--model: unknown preset {model!r} (presets: {', '.join(PRESETS)}), not a config.json path")
+    return config_shape(model_config(model, *parsed, refused=refused))
 
 
 def lora_tensors(shape: ModelShape, r: int, targets: str = "attn") -> list[tuple[int, int, bool]]:

@@ -44,6 +44,7 @@ from tether.ppo.processes import Processes, make_processes
 from tether.ppo.prompts import PromptStream, load_prompts, prompt_group_key, split_held_out
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir
 from tether.precision import Precision
+from tether.presets import resolve_model_path
 from tether.rule_calls import gold_rule
 from tether.rollout.engines import Engine, make_engine
 from tether.rollout.sampling import encode_prompts
@@ -170,9 +171,10 @@ def default_critic_backbone(cfg, tokenizer, policy_path: Path) -> Path:
     for spec in cfg.reward.sources:
         if is_reward_model_dir(spec):
             try:
-                if same_vocabulary(load_tokenizer(spec), tokenizer):
-                    return Path(spec)
-            except (OSError, ValueError):
+                path = resolve_model_path(spec, what="reward model")  # a Hub id: its snapshot folder
+                if same_vocabulary(load_tokenizer(path), tokenizer):
+                    return path
+            except (OSError, ValueError, TetherError):
                 pass
     return policy_path
 

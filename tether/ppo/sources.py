@@ -151,7 +151,10 @@ class _DecodedLength:
 
 
 def is_reward_model_dir(spec: str) -> bool:
-    return Path(spec).expanduser().is_dir()
+    """A reward model: a directory, or a Hugging Face Hub id (no colon: rules are ``module:function``)."""
+    from tether.presets import is_model_spec
+
+    return is_model_spec(spec)
 
 
 def is_process_reward_model(directory: str) -> bool:
@@ -160,9 +163,12 @@ def is_process_reward_model(directory: str) -> bool:
 
     from tether.rm.model import METADATA_FILE
 
+    from tether.presets import resolve_model_path
+
     try:
-        return json.loads((Path(directory).expanduser() / METADATA_FILE).read_text()).get("kind") == "process"
-    except (OSError, ValueError, AttributeError):
+        path = resolve_model_path(directory, what="reward model")
+        return json.loads((path / METADATA_FILE).read_text()).get("kind") == "process"
+    except (OSError, ValueError, AttributeError, TetherError):
         return False  # RewardModel.from_pretrained gives the one-line error
 
 

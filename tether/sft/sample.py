@@ -147,10 +147,11 @@ def reward_scorers(specs: list[str], given: dict, device) -> list:
     """``(prompts, responses, fields, ended) -> ((B,) scores, rows it does not apply to)`` scorers: reward-model
     directories (one ensemble, their mean; they judge every row), rules and callables given from Python
     (``given[spec]``; a row they return None for is left to the other scorers, as PPO leaves it: :func:`scores_of`)."""
+    from tether.presets import is_model_spec
     from tether.rm.model import METADATA_FILE, RewardEnsemble, RewardModel
     from tether.rules import load_rule
 
-    dirs = [s for s in specs if s not in given and (Path(s) / METADATA_FILE).is_file()]
+    dirs = [s for s in specs if s not in given and ((Path(s) / METADATA_FILE).is_file() or is_model_spec(s))]
     scorers = []
     if dirs:
         models = [RewardModel.from_pretrained(d, device=device) for d in dirs]
