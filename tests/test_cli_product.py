@@ -165,18 +165,19 @@ def ppo_argv(tiny, out: Path, *extra: str) -> list[str]:
 
 
 def test_a_run_off_a_terminal_prints_one_line_per_step_and_per_evaluation(tiny, tmp_path):
-    """stderr to a pipe (a CI log): a start-up summary, one plain line per step and no carriage return, one line per
-    evaluation whose accuracy, Wilson interval and paired change since step 0 are those of metrics.jsonl; the end
-    line names the steps and the next commands."""
+    """stderr to a pipe (a CI log): one plain line per step there and no carriage return; on stdout a start-up
+    summary, one line per evaluation whose accuracy, Wilson interval and paired change since step 0 are those of
+    metrics.jsonl, and the end line with the steps and the next commands."""
     out = tmp_path / "run"
     argv = ppo_argv(tiny, out, "--steps", "3", "--eval-every", "2", "--eval-at-start", "true")
     proc = subprocess.run([sys.executable, "-m", "tether", *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    err = proc.stderr
-    assert "\r" not in err
-    lines = err.splitlines()
-    assert [int(m.group(1)) for line in lines if (m := re.match(r"ppo step (\d+)/3  score ", line))] == [1, 2, 3]
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+    assert [int(m.group(1)) for line in proc.stderr.splitlines()
+            if (m := re.match(r"ppo step (\d+)/3  score ", line))] == [1, 2, 3]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"tether ppo: 3 steps -> {out}"
     assert any(line.startswith("  prompts:  24 training; 8 held-out") for line in lines)
     assert any(line.startswith("  policy:   ") and "trainable" in line for line in lines)
     assert any(line.startswith("  rewards:  tether.rules:char_share; gold rule: tether.demo.task:gold_reward")
@@ -197,7 +198,7 @@ def test_a_run_off_a_terminal_prints_one_line_per_step_and_per_evaluation(tiny, 
             assert f"{100 * (gained - lost) / len(correct):+.1f} points since step 0 ({gained} problems gained, " \
                    f"{lost} lost" in line
         assert f"reward {row['eval/reward']:.3f}" in line and "KL to the reference" in line
-    assert proc.stdout.startswith("tether ppo: 3 steps;")
+    assert lines[-2].startswith("tether ppo: 3 steps;")
     assert f"tether doctor {out}" in proc.stdout and f"tether report {out}" in proc.stdout
 
 
@@ -207,11 +208,11 @@ def test_progress_false_still_prints_the_summary_and_the_evaluations(tiny, tmp_p
                          "--progress", "false")) == 0
     captured = capsys.readouterr()
     assert "ppo step" not in captured.err and "\r" not in captured.err
-    assert captured.err.startswith("tether ppo: 2 steps ->")
-    assert [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("eval step")] == \
+    assert captured.out.startswith("tether ppo: 2 steps ->")
+    assert [line.split(":")[0] for line in captured.out.splitlines() if line.startswith("eval step")] == \
         ["eval step 1/2", "eval step 2/2"]
-    assert "points since step 1" in captured.err  # no step-0 evaluation: the change is since the first one
-    assert captured.out.startswith("tether ppo: 2 steps;")
+    assert "points since step 1" in captured.out  # no step-0 evaluation: the change is since the first one
+    assert captured.out.splitlines()[-2].startswith("tether ppo: 2 steps;")
 
 
 def test_doctor_and_report_count_steps_not_the_step_0_evaluation(tmp_path):

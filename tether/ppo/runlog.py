@@ -130,13 +130,14 @@ def eval_line(row: dict, total: int, baseline: dict | None) -> str:
 
 
 class Progress:
-    """The run's console, on the main process: on a terminal a progress bar (steps, not evaluations), otherwise one
-    plain line per step (no ``\\r``: a CI log or a batch scheduler's file stays one line a step); with
-    ``--progress false`` no per-step output. The start-up summary, the evaluation lines and the end line are
-    printed whatever ``--progress`` says."""
+    """The run's console, on the main process. Per step, on stderr: a progress bar on a terminal (steps, not
+    evaluations), otherwise one plain line per step (no ``\\r``: a CI log or a batch scheduler's file stays one line
+    a step); nothing with ``--progress false``. On stdout, whatever ``--progress`` says: the start-up summary and
+    one line per evaluation (stderr stays for the bar, warnings and errors: a bad input is still one line there)."""
 
-    def __init__(self, run, cfg, steps_done: int, stream=None):
+    def __init__(self, run, cfg, steps_done: int, stream=None, out=None):
         self.stream = stream if stream is not None else sys.stderr
+        self.out = out if out is not None else sys.stdout
         self.enabled = bool(run.processes.is_main)
         self.total, self.run_dir = cfg.steps, Path(cfg.output_dir)
         self.baseline: dict | None = None
@@ -156,9 +157,9 @@ class Progress:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.write(message, file=self.stream)
+            self.bar.write(message, file=self.out)
         else:
-            print(message, file=self.stream, flush=True)
+            print(message, file=self.out, flush=True)
 
     def evaluated(self, row: dict) -> None:
         """The evaluation line of ``row`` (a step's, or step 0's before the first step), when it has one."""
@@ -178,7 +179,7 @@ class Progress:
             self.bar.set_postfix(score=_num(row.get("objective/scores"), ".3f"),
                                  kl=_num(row.get("objective/kl"), ".4f"), beta=_num(row.get("objective/kl_coef")))
         elif self.mode == "lines":
-            self.print(step_line(row, self.total, seconds))
+            print(step_line(row, self.total, seconds), file=self.stream, flush=True)
         self.evaluated(row)
 
     def close(self) -> None:
