@@ -247,3 +247,117 @@ def trl_accuracy(completions, solution, **kwargs):
     """TRL's accuracy_reward shape: the completion's text against a ``solution`` column (exact match here)."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [float(t.strip() == s) for t, s in zip(texts, solution)]
+
+
+# ---------------------------------------------------------------------------------------- the Python TRL users write
+def test_trl_config_names_are_accepted_or_answered_with_the_tether_key():
+    from tether.errors import ConfigError
+    from tether.trl_compat.keys import TRL_KEYS, config_keys
+
+    cfg = tether.PPOConfig(learning_rate=3e-6, beta=0.02, num_generations=4, max_completion_length=64,
+                           output_dir="out", model_name_or_path="some/policy")
+    assert tether.PPOConfig is tether.RunConfig and tether.RewardConfig is tether.RewardTrainingConfig
+    assert (cfg.optim.lr, cfg.kl.coef, cfg.samples_per_prompt, cfg.generation.max_new_tokens, cfg.output_dir,
+            cfg.model.policy) == (3e-6, 0.02, 4, 64, "out", "some/policy")
+    sft = tether.SFTConfig(num_train_epochs=3, per_device_train_batch_size=2, max_length=128)
+    assert (sft.optim.epochs, sft.optim.batch_size, sft.data.max_length) == (3, 2, 128)
+    assert tether.RewardConfig(per_device_train_batch_size=4).optim.batch_size == 4
+    with pytest.raises(ConfigError, match=r"^RunConfig\(lr=\.\.\.\): unknown key 'lr'; did you mean `optim.lr` "
+                                          r"\(--lr\)\?$"):
+        tether.RunConfig(lr=1e-5)
+    with pytest.raises(ConfigError, match=r"^RunConfig\(per_device_train_batch_size=\.\.\.\): unknown key "
+                                          r"'per_device_train_batch_size' \(TRL's name\); in tether: `batch_size` "):
+        tether.RunConfig(per_device_train_batch_size=8)
+    for cls in (tether.RunConfig, tether.SFTConfig, tether.RewardTrainingConfig):  # the table names real keys
+        assert set(TRL_KEYS[cls.__name__].values()) <= set(config_keys(cls))
+
+
+def test_trl_names_in_a_dict_or_yaml_config_and_their_bad_values_are_named(tmp_path):
+    from tether.config import as_config
+    from tether.errors import ConfigError
+
+    cfg = as_config(tether.RunConfig, {"learning_rate": 2e-6, "kl.coef": 0.3, "max_steps": 7}, check=False)
+    assert (cfg.optim.lr, cfg.kl.coef, cfg.steps) == (2e-6, 0.3, 7)
+    (tmp_path / "c.yaml").write_text("num_train_epochs: 2\nlearning_rate: 1.0e-4\n")
+    sft = as_config(tether.SFTConfig, str(tmp_path / "c.yaml"), check=False)
+    assert (sft.optim.epochs, sft.optim.lr) == (2, 1e-4)
+    with pytest.raises(ConfigError, match=r"unknown key 'kl.coeff'; did you mean `kl.coef` \(--kl-coef\)\?"):
+        as_config(tether.RunConfig, {"kl": {"coeff": 0.1}}, check=False)
+
+
+@pytest.fixture(scope="module")
+def ppo_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl_ppo")
+    return make_policy_dir(root), make_prompts_file(root, n=16)
+
+
+def test_ppo_takes_a_path_string_and_trls_argument_names(ppo_files, tmp_path):
+    import yaml
+
+    policy, prompts = ppo_files
+    cfg = tiny_config(tmp_path, policy, tmp_path / "unused.jsonl", steps=1, batch_size=4)
+    cfg.reward.sources = []
+    result = tether.PPOTrainer(cfg, prompts=str(prompts), reward=reward_len).train()  # #49's refused call
+    saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert saved["data"]["prompts"] == str(prompts) and result.steps == 1  # the path, as --prompts records it
+    settings = {"output_dir": str(tmp_path / "trl"), "max_steps": 1, "learning_rate": 1e-3, "batch_size": 4,
+                "max_completion_length": 6, "progress": False, "reward.gold": "none", "ppo.mini_batches": 2}
+    trl = tether.PPOTrainer(args=settings, model=str(policy), reward_funcs=[reward_len], train_dataset=str(prompts),
+                            eval_dataset=str(prompts)).train()
+    saved = yaml.safe_load((trl.run_dir / "config.yaml").read_text())
+    assert (saved["model"]["policy"], saved["data"]["eval_prompts"], saved["optim"]["lr"]) == \
+        (str(policy), str(prompts), 1e-3)
+    assert saved["reward"]["sources"] == ["test_trl_shapes:reward_len"]
+    with pytest.raises(TetherError, match=r"^PPOTrainer: prompts and train_dataset name the same thing; give one$"):
+        tether.PPOTrainer(cfg, prompts=str(prompts), train_dataset=str(prompts))
+
+
+def test_sft_trainer_called_as_trl_calls_it_trains_text_rows_on_every_token(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tether.sft.evaluate import held_out_loss
+
+    policy = make_policy_dir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(policy)  # the tokenizer is found from model.name_or_path
+    texts = [f"{a}+{b}={a + b}" for a, b in ((12, 30), (7, 8), (40, 2), (3, 99), (10, 10), (5, 6))]
+    trainer = tether.SFTTrainer(model=model, train_dataset=[{"text": t} for t in texts[:4]],
+                                eval_dataset=[{"text": t} for t in texts[4:]],
+                                args={"num_train_epochs": 1, "per_device_train_batch_size": 2, "learning_rate": 1e-3,
+                                      "output_dir": str(tmp_path / "sft"), "progress": False})
+    run, tok = trainer.run, trainer.run.tokenizer
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts[4:]]
+    total = 0.0
+    with torch.no_grad():  # every next token of each held-out text, EOS included, one text at a time
+        for row in ids:
+            logp = torch.log_softmax(trainer.model(input_ids=torch.tensor([row])).logits[0].double(), -1)
+            total -= sum(float(logp[t - 1, row[t]]) for t in range(1, len(row)))
+    metrics = held_out_loss(run, 5)
+    assert metrics["eval/tokens"] == sum(len(r) - 1 for r in ids)
+    assert metrics["eval/loss"] == pytest.approx(total / metrics["eval/tokens"], abs=1e-5)
+    assert trainer.train().steps == 2  # 4 rows, 2 a step, one epoch
+
+
+def test_reward_trainer_takes_trls_names_and_a_path_and_refuses_eval_dataset_in_one_line(tmp_path):
+    from tether.errors import ConfigError
+
+    policy = make_policy_dir(tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)})
+                             + "\n" for i in range(12)))
+    result = tether.RewardTrainer(model=str(policy), train_dataset=str(pairs),
+                                  args={"output_dir": str(tmp_path / "rm"), "num_train_epochs": 1,
+                                        "per_device_train_batch_size": 4}).train()
+    meta = json.loads((result.run_dir / "tether_reward.json").read_text())
+    assert meta["training"]["data"]["files"] == [str(pairs)] and meta["training"]["model"] == str(policy)
+    with pytest.raises(ConfigError, match=r"^RewardTrainer\(eval_dataset=\.\.\.\): tether holds out"):
+        tether.RewardTrainer(model=str(policy), train_dataset=str(pairs), eval_dataset=str(pairs))
+
+
+def test_diagnose_and_report_at_the_top_level(ppo_files, tmp_path):
+    from tether.diagnostics.doctor import diagnose_run
+
+    policy, prompts = ppo_files
+    run_dir = tether.PPOTrainer(tiny_config(tmp_path, policy, prompts, steps=1, batch_size=4)).train().run_dir
+    assert tether.diagnose(run_dir).summary() == diagnose_run(run_dir).summary()
+    page = tether.report(run_dir)
+    assert page == run_dir / "report.html" and "<html" in page.read_text()[:200].lower()

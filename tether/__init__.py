@@ -1,7 +1,10 @@
 """tether: classic RLHF — Bradley–Terry reward models and PPO with a per-token KL tether.
 
 ``import tether`` is light: it loads the math (torch only). ``RewardModel``, the trainers
-(``SFTTrainer``, ``RewardTrainer``, ``PPOTrainer``), their configs and callbacks are resolved lazily on first access.
+(``SFTTrainer``, ``RewardTrainer``, ``PPOTrainer``), their configs and callbacks, ``diagnose`` and ``report`` are
+resolved lazily on first access. TRL's names for the configs are there too: ``PPOConfig`` is ``RunConfig`` (the PPO
+run's config; ``tether.ppo.config.PPOConfig`` is its ``ppo`` section), ``RewardConfig`` is ``RewardTrainingConfig``
+(``tether.ppo.config.RewardConfig`` is a PPO run's ``reward`` section), ``SFTConfig`` the same name.
 """
 
 from tether.core.advantages import gae, masked_mean, shaped_rewards, whiten
@@ -21,6 +24,9 @@ _LAZY = {
     "SFTTrainer": "tether.sft.train",
     "SFTConfig": "tether.sft.config",
     "RunConfig": "tether.ppo.config",
+    "PPOConfig": "tether.ppo.config:RunConfig",            # TRL's name of the run's config
+    "RewardConfig": "tether.rm.config:RewardTrainingConfig",  # TRL's name of the reward trainer's config
+    "diagnose": "tether.diagnostics.doctor:diagnose_run",   # tether.diagnose(run_dir): what `tether doctor` reads
     "Callback": "tether.callbacks",
     "StopTraining": "tether.callbacks",
     "StepRecord": "tether.callbacks",
@@ -31,15 +37,27 @@ __all__ = [
     "bradley_terry_loss", "kl_penalty", "shaped_rewards", "gae", "whiten", "ppo_policy_loss",
     "ppo_value_loss", "masked_mean", "entropy_from_logits", "explained_variance", "logprobs_from_logits",
     "wilson_interval", "FixedKLController", "AdaptiveKLController", "ProportionalKLController",
-    *_LAZY,
+    "report", *_LAZY,
 ]
+
+
+def report(run_dirs, output=None, title=None):
+    """Write the HTML report of one run directory (or a list of them, compared) and return its path: what
+    ``tether report`` writes; ``output`` defaults to ``report.html`` in the first run directory."""
+    from pathlib import Path
+
+    from tether.diagnostics.report import write_report
+
+    run_dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
+    return write_report(run_dirs, output or Path(run_dirs[0]) / "report.html", title=title)
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module, _, attribute = _LAZY[name].partition(":")
+        value = getattr(importlib.import_module(module), attribute or name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'tether' has no attribute {name!r}")

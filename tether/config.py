@@ -164,6 +164,14 @@ def _check(value: Any, f: dataclasses.Field, where: str) -> Any:
     return value
 
 
+def _known_key(cfg, key: str, where: str) -> str:
+    """tether's key for TRL's name of it (``learning_rate`` -> ``optim.lr``), else a one-line error with what the
+    key may mean (:func:`tether.trl_compat.keys.resolve_key`)."""
+    from tether.trl_compat.keys import resolve_key
+
+    return resolve_key(type(cfg), key, where)
+
+
 def _set(cfg, key: str, value: Any, where: str, check: bool = True) -> None:
     """Set dotted ``key`` on ``cfg`` after conversion and checks (``check`` False: as it is, for
     :func:`check_config` to check); unknown keys are errors."""
@@ -172,11 +180,11 @@ def _set(cfg, key: str, value: Any, where: str, check: bool = True) -> None:
     for p in parts[:-1]:
         sub = getattr(obj, p, None)
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"{where}: unknown key '{key}'")
+            return _set(cfg, _known_key(cfg, key, where), value, where, check)
         obj = sub
     f = _field_named(obj, parts[-1])
     if f is None:
-        raise ConfigError(f"{where}: unknown key '{key}'")
+        return _set(cfg, _known_key(cfg, key, where), value, where, check)
     tp = _hints(type(obj))[f.name]
     if _is_config(tp):
         raise ConfigError(f"{where}: '{key}' is a section, give its keys")

@@ -15,6 +15,7 @@ from tether.core.kl import K3_CLIP
 from tether.core.steps import AGGREGATIONS
 from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
+from tether.trl_compat.keys import accepts_trl_keys
 from tether.hf import DTYPE_ALIASES, DTYPES
 from tether.ppo.checks import (HELD_OUT_SHARE, MIN_PROMPTS_FOR_SHARE, check_defaults_apply, eval_every,
                                run_warnings)
@@ -274,6 +275,7 @@ class EvalConfig:
                        "a policy and a reference forward over each; 0 = all", low=0, flag="--eval-kl-n")
 
 
+@accepts_trl_keys  # TRL's flat names (learning_rate=...) accepted; other unknown keywords get a hint
 @dataclass
 class RunConfig:
     """Everything `tether ppo` needs. ``validate`` holds the cross-field checks."""

@@ -21,18 +21,19 @@ import torch
 
 from tether.callbacks import Callbacks, StepRecord, TrainResult
 from tether.checkpoint import clean_temporary
-from tether.config import as_config, check_config
+from tether.config import check_config
 from tether.errors import TetherError
 from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
 from tether.ppo.export import export_policy
-from tether.ppo.inputs import detached, resolve_inputs
+from tether.ppo.inputs import resolve_inputs
 from tether.ppo.resume import (check_same_config, checkpoint, checkpoint_due, from_health_book, health_book,
                                load_weights, restore, start_in_place)
 from tether.ppo.runlog import Progress, RunLog
 from tether.ppo.step import ppo_step
 from tether.rollout.layout import launch_layout
 from tether.rollout.server import serve
+from tether.trl_compat.arguments import ppo_arguments
 
 ALARM = "health alarm"
 
@@ -79,12 +80,15 @@ def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
 class PPOTrainer:
     """PPO from Python: ``PPOTrainer(config, reward=...).train()``, or ``.step()`` one step at a time.
 
-    ``config``: a :class:`~tether.ppo.config.RunConfig`, a dict of its keys (nested or dotted) or a YAML path,
-    checked as the command line checks its flags (a bad value is the same one-line ConfigError). ``reward``: reward
+    ``config``: a :class:`~tether.ppo.config.RunConfig`, a dict of its keys (nested or dotted, TRL's flat names
+    too) or a YAML path, checked as the command line checks its flags (a bad value is the same one-line
+    ConfigError); none: the defaults. ``reward``: reward
     sources beside ``reward.sources`` — specs, callables ``f(prompts, responses, **columns) -> list[float]``,
     ``RewardModel``/``RewardEnsemble``/``ProcessRewardModel`` objects, or a dict ``{name: source}``
     (:mod:`tether.ppo.inputs` says what the config records); ``prompts``/``eval_prompts``: a
-    ``datasets.Dataset`` or a list of rows, texts or message lists, in place of the files; ``gold``: the rule of
+    ``datasets.Dataset`` or a list of rows, texts or message lists, in place of the files, or a file's path;
+    TRL's names are taken too (:func:`tether.trl_compat.arguments.ppo_arguments`: ``args``, ``model`` as a name or path,
+    ``reward_funcs``, ``train_dataset``, ``eval_dataset``); ``gold``: the rule of
     ``eval/accuracy`` (``reward.gold``), a spec or a callable as a reward rule is; ``callbacks``:
     :mod:`tether.callbacks`; ``resume``: continue the run in ``output_dir`` from its newest checkpoint.
 
@@ -93,12 +97,13 @@ class PPOTrainer:
     or a health alarm stops the run) and finishes it (roll-back, export); ``evaluate()`` evaluates the current
     policy on the held-out prompts."""
 
-    def __init__(self, config, reward=None, prompts=None, eval_prompts=None, callbacks=(), resume: bool = False,
-                 gold=None):
+    def __init__(self, config=None, reward=None, prompts=None, eval_prompts=None, callbacks=(), resume: bool = False,
+                 gold=None, *, args=None, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None):
         from tether.diagnostics.health import HealthMonitor
         from tether.ppo.setup import setup
 
-        cfg = detached(as_config(RunConfig, config, check=False))  # the caller's config is left as it was
+        cfg, reward, prompts, eval_prompts = ppo_arguments(config, args, model, reward, reward_funcs, prompts,
+                                                           train_dataset, eval_prompts, eval_dataset)  # a copy
         self.given = resolve_inputs(cfg, reward, prompts, eval_prompts, gold)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
         self.run_dir = Path(cfg.output_dir)

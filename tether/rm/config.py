@@ -13,6 +13,7 @@ import torch
 
 from tether.config import check_fields, option
 from tether.errors import ConfigError
+from tether.trl_compat.keys import accepts_trl_keys
 from tether.hf import DTYPE_ALIASES, DTYPES
 
 
@@ -79,6 +80,7 @@ class LossConfig:
                                  flag="--length-expert")
 
 
+@accepts_trl_keys  # TRL's flat names (learning_rate=...) accepted; other unknown keywords get a hint
 @dataclass
 class RewardTrainingConfig:
     """``tether train-rm``: one config, nested by concern; defaults <- YAML (--config) <- flags."""

@@ -127,7 +127,8 @@ class RewardModel:
                         dtype: torch.dtype | str | None = None) -> "RewardModel":
         """Load a directory written by ``tether train-rm`` — or a one-output sequence classifier saved by another
         library (TRL's ``RewardTrainer``), scored raw (:func:`foreign_reward_model`); TetherError if it is neither,
-        or if it holds a process reward model (whose scores are read per step: :class:`tether.rm.process.ProcessRewardModel`)."""
+        or if it holds a process reward model (whose scores are read per step:
+        :class:`tether.rm.process.ProcessRewardModel`)."""
         rm = load_reward_dir(path, device, dtype)
         if rm.metadata.get("kind") == "process":
             raise TetherError(f"{path}: a process reward model (train-rm --process); load it with "

@@ -29,7 +29,7 @@ import torch
 
 from tether.checkpoint import atomic_dir
 from tether.callbacks import Callbacks, TrainResult
-from tether.config import as_config, check_config, config_to_dict, save_config
+from tether.config import check_config, config_to_dict, save_config
 from tether.conversations import prompt_key
 from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
 from tether.core.losses import bradley_terry_loss
@@ -116,10 +116,16 @@ class RewardTrainer:
     as the command line checks its flags (a bad value is the same one-line ConfigError); ``pairs``: data in
     memory in place of ``data.files`` (a ``datasets.Dataset`` or a list of rows in any shape the files may
     have, :class:`PreferencePair` s; with ``process``, :class:`~tether.rm.steps.StepExample` s);
-    ``callbacks``: :mod:`tether.callbacks`; ``resume``: continue the unfinished training in ``output_dir``."""
+    ``callbacks``: :mod:`tether.callbacks`; ``resume``: continue the unfinished training in ``output_dir``. A
+    file's path is taken for ``pairs``, TRL's names too (:func:`tether.trl_compat.arguments.reward_arguments`: ``args``,
+    ``model`` as a name or path, ``train_dataset``); with no config, the defaults."""
 
-    def __init__(self, config, pairs=None, callbacks=(), resume: bool = False):
-        self.cfg = check_config(given_data(as_config(RewardTrainingConfig, config, check=False), pairs))
+    def __init__(self, config=None, pairs=None, callbacks=(), resume: bool = False, *, args=None, model=None,
+                 train_dataset=None, eval_dataset=None):
+        from tether.trl_compat.arguments import reward_arguments
+
+        cfg, pairs = reward_arguments(config, args, model, pairs, train_dataset, eval_dataset)
+        self.cfg = check_config(given_data(cfg, pairs))
         self.pairs, self.callbacks, self.resume = pairs, Callbacks(callbacks), resume
 
     def train(self) -> TrainResult:

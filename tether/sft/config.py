@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tether.config import MAX_NEW_TOKENS, check_fields, option
 from tether.errors import ConfigError
+from tether.trl_compat.keys import accepts_trl_keys
 from tether.hf import DTYPE_ALIASES, DTYPES
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -113,6 +114,7 @@ class EvalConfig:
     samples: int = option(16, "greedy answers written to samples/step_K.jsonl", low=0)
 
 
+@accepts_trl_keys  # TRL's flat names (learning_rate=...) accepted; other unknown keywords get a hint
 @dataclass
 class SFTConfig:
     """``tether sft``: one config, nested by concern; defaults <- YAML (--config) <- flags."""

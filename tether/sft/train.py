@@ -14,7 +14,6 @@ checkpoints go (nothing is left to resume); a run stopped by a callback keeps it
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import resource
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from tether.callbacks import Callbacks, StepRecord, TrainResult
 from tether.checkpoint import atomic_dir, check_finite, clean_temporary
-from tether.config import as_config, check_config, config_to_dict
+from tether.config import check_config, config_to_dict
 from tether.errors import ConfigError, TetherError
 from tether.runlog import RunLog
 from tether.sft.config import SFTConfig
@@ -34,6 +33,7 @@ from tether.sft.resume import (METADATA_FILE, check_same_config, checkpoint, che
                                restore, start_in_place)
 from tether.sft.setup import PYTHON, Given, setup
 from tether.sft.step import sft_step
+from tether.trl_compat.arguments import sft_arguments
 
 
 def name_given(cfg: SFTConfig, given: Given) -> None:
@@ -70,18 +70,23 @@ def evaluates_here(run) -> bool:
 class SFTTrainer:
     """SFT from Python: ``SFTTrainer(config, train_data=...).train()``, or ``.step()`` one step at a time.
 
-    ``config``: an :class:`~tether.sft.config.SFTConfig`, a dict of its keys (nested or dotted) or a YAML path,
-    checked as the command line checks its flags. ``train_data``/``eval_data``: a ``datasets.Dataset`` or a list of
-    rows (:mod:`tether.sft.data` shapes) in place of the files; ``eval_prompts``: prompt rows for gold accuracy;
-    ``model``/``tokenizer``: a causal LM object (trained in place) and its tokenizer in place of ``model.path``;
+    ``config``: an :class:`~tether.sft.config.SFTConfig`, a dict of its keys (nested or dotted, TRL's flat names
+    too) or a YAML path, checked as the command line checks its flags; none: the defaults. ``train_data``/
+    ``eval_data``: a ``datasets.Dataset`` or a list of rows (:mod:`tether.sft.data` shapes) in place of the files, or
+    a file's path; ``eval_prompts``: prompt rows for gold accuracy; ``model``/``tokenizer``: a causal LM object
+    (trained in place) and its tokenizer (loaded from ``model.name_or_path`` when not given) in place of
+    ``model.path``, or a name or path; TRL's names are taken too (:func:`tether.trl_compat.arguments.sft_arguments`:
+    ``args``, ``train_dataset``, ``eval_dataset``, ``processing_class``);
     ``gold``: the rule of ``eval/accuracy`` as a callable; ``callbacks``: :mod:`tether.callbacks`; ``resume``:
     continue the run in ``output_dir`` from its newest checkpoint."""
 
-    def __init__(self, config, train_data=None, eval_data=None, eval_prompts=None, model=None, tokenizer=None,
-                 callbacks=(), resume: bool = False, gold=None):
+    def __init__(self, config=None, train_data=None, eval_data=None, eval_prompts=None, model=None, tokenizer=None,
+                 callbacks=(), resume: bool = False, gold=None, *, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None):
         from tqdm.auto import tqdm
 
-        cfg = copy.deepcopy(as_config(SFTConfig, config, check=False))  # the caller's config is left as it was
+        cfg, model, tokenizer, train_data, eval_data = sft_arguments(  # a copy: the caller's config stays as it was
+            config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data, eval_dataset)
         given = Given(train_data, eval_data, eval_prompts, model, tokenizer, gold)
         name_given(cfg, given)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
