@@ -19,7 +19,8 @@ from tether.hf import DTYPE_ALIASES, DTYPES
 
 @dataclass
 class DataConfig:
-    files: list[str] = option([], "preference data file (JSONL, CSV, Parquet, dataset folder); repeatable",
+    files: list[str] = option([], "preference data file (JSONL, CSV, Parquet, dataset folder) or Hub dataset "
+                              "hf:org/name[:config][:split]; repeatable",
                               flag="--data", repeat=True)
     eval_fraction: float = option(0.2, "share of pairs held out for evaluation (split by prompt)",
                                   low=0.0, low_open=True, high=0.9, flag="--eval-fraction")
@@ -85,7 +86,7 @@ class LossConfig:
 class RewardTrainingConfig:
     """``tether train-rm``: one config, nested by concern; defaults <- YAML (--config) <- flags."""
 
-    model: str = option("", "backbone: a local Hugging Face model directory (causal LM or encoder)",
+    model: str = option("", "backbone: a local Hugging Face model directory or Hub id (causal LM or encoder)",
                         flag="--model")
     output_dir: str = option("", "where the reward model is written (atomically)", flag="--output-dir")
     seed: int = option(0, "seed for the split, the head init and the batch order", flag="--seed")
@@ -123,7 +124,7 @@ class RewardTrainingConfig:
     def validate(self) -> None:
         check_fields(self)  # every field's type, choices and bounds, named by key and flag
         if not self.model:
-            raise ConfigError("--model is required (a local Hugging Face model directory)")
+            raise ConfigError("--model is required (a local Hugging Face model directory or Hub id)")
         if not self.data.files:
             raise ConfigError("--data is required (a preference data file, or step-labelled data with --process; "
                               "repeatable)")

@@ -19,7 +19,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass
 class ModelConfig:
-    path: str = option("", "the model to fine-tune: a local Hugging Face causal-LM directory or a preset name",
+    path: str = option("", "the model to fine-tune: a local Hugging Face causal-LM directory, a preset name or a "
+                       "Hub id",
                        flag="--model")
     dtype: str = option("fp32", "compute dtype: bf16/fp16 run every forward under autocast with fp32 masters "
                         "for all that trains (fp16: a loss scaler); a LoRA base is loaded and kept in it; the "
@@ -43,7 +44,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    files: list[str] = option([], "training rows (JSONL/CSV/Parquet/JSON, a datasets folder): prompt + completion "
+    files: list[str] = option([], "training rows (JSONL/CSV/Parquet/JSON, a datasets folder, "
+                              "hf:org/name[:config][:split]): prompt + completion "
                               "(or response), TRL's conversational messages, GSM8K question + answer; repeatable",
                               flag="--data", repeat=True)
     eval_files: list[str] = option([], "held-out rows for eval/loss (same shapes); empty = split off "

@@ -43,7 +43,8 @@ from tether.hf import DTYPE_ALIASES, DTYPES
 
 @dataclass
 class SampleModel:
-    policy: str = option("", "the policy that samples: a local causal-LM directory or a preset name", flag="--policy")
+    policy: str = option("", "the policy that samples: a local causal-LM directory, a preset name or a Hub id",
+                         flag="--policy")
     dtype: str = option("fp32", "compute dtype of the sampling (bf16/fp16 under autocast)", choices=tuple(DTYPES),
                         flag="--dtype", value_aliases=DTYPE_ALIASES, old_flags=("--model-dtype",))
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
@@ -51,7 +52,8 @@ class SampleModel:
 
 @dataclass
 class SampleData:
-    prompts: str = option("", "prompt file (tether ppo's shapes: prompt, GSM8K, SVAMP, HH, messages), or a task "
+    prompts: str = option("", "prompt file (tether ppo's shapes: prompt, GSM8K, SVAMP, HH, messages), "
+                          "hf:org/name[:config][:split], or a task "
                           "rg:DATASET[:key=value,...]: its training rows as tether ppo splits them with the same "
                           "data.task_* settings (held-out rows never sampled)", flag="--prompts")
     task_train: int = option(2000, "rg: tasks: training problems (as tether ppo's data.task_train)", low=1)
