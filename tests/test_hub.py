@@ -161,6 +161,22 @@ def test_not_cached_offline_is_one_line_saying_how_to_get_it(offline, spec, what
     assert str(offline.home / "hub") in message
 
 
+def test_an_unreachable_hub_falls_back_to_the_cache(offline, monkeypatch):
+    """Online (HF_HUB_OFFLINE unset) but the Hub refuses connections: the cached snapshot is used, as
+    huggingface_hub does; an uncached id says the Hub cannot be reached."""
+    import huggingface_hub.constants
+
+    from tether.presets import resolve_model_path
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
+    snapshot = offline.home / "hub" / "models--tiny-org--tiny-gpt2" / "snapshots" / COMMIT
+    assert resolve_model_path("tiny-org/tiny-gpt2") == snapshot
+    with pytest.raises(TetherError, match=r"^tiny-org/missing: model is not a local directory, and the Hugging Face "
+                                          r"Hub cannot be reached \(ConnectError\) while the cache"):
+        resolve_model_path("tiny-org/missing")
+
+
 @pytest.mark.parametrize("command", [
     ["ppo", "--policy", "tiny-org/missing", "--prompts", "{prompts}", "--reward", "tether.rules:char_share:char=7"],
     ["sft", "--model", "tiny-org/missing", "--data", "{sft_rows}"],
