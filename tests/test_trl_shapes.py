@@ -361,3 +361,47 @@ def test_diagnose_and_report_at_the_top_level(ppo_files, tmp_path):
     assert tether.diagnose(run_dir).summary() == diagnose_run(run_dir).summary()
     page = tether.report(run_dir)
     assert page == run_dir / "report.html" and "<html" in page.read_text()[:200].lower()
+
+
+# ------------------------------------------------------------------------------------ docs/data-formats.md is true
+def doc_rows(section: str) -> list[dict]:
+    """The literal JSONL rows of one section (``## ...``) of docs/data-formats.md."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "data-formats.md").read_text(encoding="utf-8")
+    part = page.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```jsonl\n(.*?)^```", part, re.S | re.M)
+    return [json.loads(line) for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_every_row_on_the_data_formats_page_is_read_by_the_real_readers():
+    from tether.data import PreferencePair, pair_from_record
+    from tether.prompt_rows import prompt_rows
+    from tether.rm.steps import example_from_record
+    from tether.sft.data import row_from_record
+
+    sft = [row_from_record(r, f"sft {i}") for i, r in enumerate(doc_rows("SFT rows"))]
+    assert len(sft) == 6 and [r.whole_text for r in sft] == [True] + [False] * 5
+    assert {r.completion for r in sft[1:5]} >= {"42"}
+    pairs = [pair_from_record(r, f"pair {i}") for i, r in enumerate(doc_rows("Preference pairs"))]
+    assert len(pairs) == 4 and all(isinstance(p, PreferencePair) for p in pairs)
+    assert {(p.chosen.strip(), p.rejected.strip()) for p in pairs} == {("42", "43")}
+    prompts = prompt_rows(list(enumerate(doc_rows("Prompts"), start=1)), lambda n: f"prompt {n}", "doc")
+    assert len(prompts) == 5 and [r.get("answer") for r in prompts] == ["42", None, "42", "42", None]
+    steps = [example_from_record(r, f"steps {i}", "\n") for i, r in enumerate(doc_rows("Step-labelled data"))]
+    assert [s.labels for s in steps] == [[1, 0], [1, 1], [1, 0]] and all(len(s.steps) == 2 for s in steps)
+
+
+def test_the_coming_from_trl_tables_are_the_codes_table():
+    from pathlib import Path
+
+    from tether.trl_compat.keys import TRL_KEYS, config_keys
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-trl.md").read_text(encoding="utf-8")
+    row = re.compile(r"^\| `(\w+)` \| `([\w.]+)` \| `(--[\w-]+)` \|$", re.M)
+    for lead, cls in (("PPO and GRPO (", tether.RunConfig), ("SFT (", tether.SFTConfig),
+                      ("Reward model (", tether.RewardTrainingConfig)):
+        table = page.split("\n" + lead, 1)[1].split("\n\n", 2)[1]  # the table after the lead-in line
+        rows = row.findall(table)
+        assert {(trl, key) for trl, key, _ in rows} == set(TRL_KEYS[cls.__name__].items()), lead
+        assert all(config_keys(cls)[key] == flag for _, key, flag in rows), lead

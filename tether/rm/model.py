@@ -209,7 +209,7 @@ def load_reward_dir(path: str | Path, device: str | torch.device | None = None,
 
 
 RAW_SCORES_NOTE = ("no {file} (a reward model trained by TRL or another library): scored raw, the head's output as "
-                   "it is, not standardised; --normalize batch standardises each batch's scores")
+                   "it is, not standardised; --reward-normalize batch standardises each batch's scores")
 
 
 def foreign_reward_model(path: Path, device=None, dtype=None) -> RewardModel:
