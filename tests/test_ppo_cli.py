@@ -26,7 +26,8 @@ def base_args(files, out):
     policy, prompts = files
     return ["ppo", "--policy", str(policy), "--prompts", str(prompts), "--reward", "tether.rules:char_share",
             "--output-dir", str(out), "--steps", "2", "--batch-size", "4", "--mini-batches", "2",
-            "--max-new-tokens", "5", "--progress", "false"]
+            "--max-new-tokens", "5", "--progress", "false",
+            "--eval-at-start", "false"]  # no step-0 row: one metrics row per step (held-out evaluation is on)
 
 
 def test_cli_end_to_end_and_yaml(files, tmp_path, capsys):
@@ -160,7 +161,7 @@ def test_an_error_exit_of_a_launched_process_still_finishes_the_trackers(files, 
 
     out, finished = tmp_path / "run", tmp_path / "finished"
     args = base_args(files, out) + ["--reward", "bad_rules:fails_from_step_2", "--steps", "3", "--log-with",
-                                    "tensorboard", "--tracker-project", "tb"]
+                                    "tensorboard", "--tracker-project", "tb", "--eval-every", "0"]  # calls: steps
     code = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path\n"
             "from accelerate.tracking import TensorBoardTracker\n"
             "finish = TensorBoardTracker.finish\n"
