@@ -227,3 +227,15 @@ def test_doctor_and_report_count_steps_not_the_step_0_evaluation(tmp_path):
     page = write_report([run], tmp_path / "report.html").read_text(encoding="utf-8")
     assert "(12 steps, " in page and "<tr><td>steps</td><td>12</td></tr>" in page
     assert "<tr><td>last gold accuracy</td><td>60.0%</td></tr>" in page
+
+
+def test_every_foreign_spelling_points_at_a_flag_that_exists():
+    """Each TRL/OpenRLHF/CleanRL spelling in the table names a flag some command has (a rename would orphan it)."""
+    from tether.cli_flags import FOREIGN
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices.values()
+    known = {o for c in commands for o in c._option_string_actions}
+    missing = {name: targets for name, targets in FOREIGN.items()
+               if not any(t.split()[0] in known for t in targets)}
+    assert not missing
