@@ -307,6 +307,21 @@ def test_every_stage_loads_models_and_data_by_id(offline, tmp_path, capsys):
     assert kept and {r["prompt"] for r in kept} <= {r["prompt"] for r in jsonl_rows(offline.eval_prompts)}
 
 
+@pytest.mark.slow
+def test_the_python_api_takes_ids_too(offline, tmp_path):
+    """RewardTrainer on a Hub model and Hub pairs; RewardModel.from_pretrained by id scores as the directory does."""
+    import tether
+
+    out = tmp_path / "rm"
+    tether.RewardTrainer({"model": "tiny-org/tiny-gpt2", "data": {"files": ["hf:tiny-org/pairs"], "format": "plain"},
+                          "output_dir": str(out), "optim": {"epochs": 1, "batch_size": 8}}).train()
+    add_model_to_hub_cache(offline.home / "hub", "tiny-org/python-rm", out)
+    prompts, replies = ["12+12=", "3+3="], ["24", "7"]
+    by_id = tether.RewardModel.from_pretrained("tiny-org/python-rm", device="cpu").score(prompts, replies, raw=True)
+    local = tether.RewardModel.from_pretrained(out, device="cpu").score(prompts, replies, raw=True)
+    assert by_id.tolist() == local.tolist()
+
+
 def test_environment_alone_is_honoured_in_a_fresh_process(offline, tmp_path):
     """No patched constants: HF_HOME and HF_HUB_OFFLINE in the environment of a new process, as a user sets them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
