@@ -9,9 +9,16 @@ Its weight in the next draw is
     w = 1            otherwise, and for a prompt never visited,
 
 so prompts that teach nothing under a group baseline (K/K or 0/K: no spread, advantage 0) are drawn less often —
-never excluded, since a policy that improves may start solving an unsolved one. Draws are without replacement
-within a step, seeded by (seed, rank, draw count), so a resumed run draws the same prompts (the table and the
-count are the state). Several processes share one table (each step's visits are gathered from all of them).
+never excluded, since a policy that improves may start solving an unsolved one.
+
+One draw per step for all processes: every round of a step draws ``--batch-size`` × processes prompts at once,
+seeded by (seed, draw count) alone — the same on every process, whose table is the same — and each process takes
+its own slice, so no two processes train on one prompt. Draws are without replacement within a step: a later round
+(``--filter-groups``) draws from the prompts the step has not taken yet, and only a step that needs more prompts than
+there are starts a new pass over all of them (wrap-around, as the plain stream does). A resumed run draws the same
+prompts (the table and the draw count are the state). Each step's visits are gathered from all processes and
+recorded once per prompt: a prompt drawn twice in one step (only past a wrap-around) makes one visit, the share of
+all its samples that passed.
 """
 
 from __future__ import annotations
@@ -43,19 +50,33 @@ class Curriculum:
         return passed.reshape(-1, k).double().mean(dim=1)
 
     def record(self, indices: list[int], rates: list[float]) -> None:
-        """Remember one visit per prompt (``indices`` and their pass ``rates``, in step order)."""
+        """Remember one step's visits: ``indices`` and their pass ``rates`` (each over K samples), in step order. A
+        prompt listed more than once makes one visit, the mean of its rates (the share of all its samples)."""
+        pooled: dict[int, list[float]] = {}
         for index, rate in zip(indices, rates):
-            kept = self.visits.setdefault(int(index), [])
-            kept.append(float(rate))
+            pooled.setdefault(int(index), []).append(float(rate))
+        for index, step_rates in pooled.items():
+            kept = self.visits.setdefault(index, [])
+            kept.append(sum(step_rates) / len(step_rates))
             del kept[:-self.memory]
 
-    def draw(self, n: int, seed: int) -> list[int]:
-        """``n`` distinct prompt indices drawn with :meth:`weights` (all of them, shuffled, when n ≥ n_prompts)."""
+    def draw(self, n: int, seed: int, taken: torch.Tensor | None = None) -> list[int]:
+        """``n`` prompt indices drawn with :meth:`weights`, without replacement among the prompts not ``taken``
+        ((n_prompts,) bool: drawn earlier in this pass; updated in place). When every prompt is taken a new pass
+        begins: all of them again, so n ≥ n_prompts gives each prompt once (a weighted order) before any repeats."""
         g = torch.Generator().manual_seed(seed)
         weights = self.weights()
-        if n >= self.n_prompts:
-            return torch.randperm(self.n_prompts, generator=g).tolist()
-        return torch.multinomial(weights, n, replacement=False, generator=g).tolist()
+        taken = torch.zeros(self.n_prompts, dtype=torch.bool) if taken is None else taken
+        out: list[int] = []
+        while len(out) < n:
+            if bool(taken.all()):
+                taken.zero_()  # every prompt drawn in this pass: the next pass starts
+            free = (~taken).nonzero().flatten()
+            picked = free[torch.multinomial(weights[free], min(n - len(out), len(free)), replacement=False,
+                                            generator=g)]
+            taken[picked] = True
+            out += picked.tolist()
+        return out
 
     def state_dict(self) -> dict:
         return {"visits": {str(k): list(v) for k, v in self.visits.items()}}

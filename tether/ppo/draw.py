@@ -2,19 +2,26 @@
 on), K samples each, scored by the reward sources — and, with dynamic sampling (``--filter-groups``, DAPO's), the
 groups with no spread in their scores replaced by more draws.
 
-Dynamic sampling. A group whose kept (finite) scores are all equal, or that has fewer than 2 of them, gives every
-group baseline advantage 0: its samples teach nothing. Such groups are dropped, and another ``--batch-size``
-prompts are drawn and sampled, until this process holds ``--batch-size`` groups with spread or
-``difficulty.max_rounds`` extra rounds have run. Every process takes part in every round (generation is collective
-with a sharded policy, a tensor-parallel engine or rollout processes), so the rounds end when *every* process is
-full: a process already full samples the round too and keeps nothing of it. Each process fills its own share from
-its own prompts. Reached the bound short, a step trains on the groups with spread it has; its batch keeps its shape
-(the same minibatches on every process), the missing groups filled with flat ones whose rows carry no weight in
-any loss (``kept`` False), and ``filter/groups_short`` says how many.
+Dynamic sampling. A group whose scores, as the estimator sees them, are all equal (or that has fewer than 2 finite
+ones) gives every group baseline advantage 0: its samples teach nothing. The scores judged are B4's — the raw
+scores after the length and missing-EOS penalties, normalisation and clip, plus a dense channel's sum
+(:func:`estimator_scores`) — not the raw ones: four right replies of different lengths have spread under a length
+penalty, and raw 6..9 clipped to 5 have none. Such groups are dropped, and another ``--batch-size`` prompts are
+drawn and sampled, until this process holds ``--batch-size`` groups with spread or ``difficulty.max_rounds`` extra
+rounds have run. Every process takes part in every round (generation is collective with a sharded policy, a
+tensor-parallel engine or rollout processes), so the rounds end when *every* process is full: a process already
+full samples the round too and keeps nothing of it. Each process fills its own share from its own prompts.
+
+Reached the bound short, a step trains on the groups with spread it has (``filter/groups_short`` says how many are
+missing). One process alone trains on those alone: no forward runs over a row that would weigh nothing, and the step
+makes fewer minibatch updates of the usual size. With several processes every process's batch keeps its shape (the
+same minibatches, so the same collectives, on every process): the missing groups are filled with flat ones whose
+rows carry no weight in any loss (``kept`` False).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,7 +29,7 @@ import torch
 from tether.core.group import group_spread
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.prompts import collate_fields
-from tether.ppo.sources import RewardScores, score_rollout
+from tether.ppo.sources import RewardScores, postprocess_scores, score_rollout
 from tether.rollout.records import Rollout
 
 
@@ -36,7 +43,8 @@ class StepBatch:
     responses: list[str]          # B decoded responses (valid tokens, special tokens skipped)
     rewards_raw: RewardScores
     kept: torch.Tensor            # (B,) bool: False for a filler row of a flat group (no weight in any loss)
-    drawn_scores: torch.Tensor | None = None  # (R·B,) the raw scores of every round's rows, the groups as drawn
+    drawn_scores: torch.Tensor | None = None  # (R·B,) every round's rows' scores as the estimator sees them (B4)
+    generated: tuple[torch.Tensor, torch.Tensor] | None = None  # (R·B,) ×2: every round's prompt, response tokens
     sampled_at: int = 0           # policy updates in the weights that sampled it (one step off: one behind)
     metrics: dict = field(default_factory=dict)
 
@@ -44,50 +52,59 @@ class StepBatch:
 def draw_step_batch(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
     """Draw, sample and score the step's batch (module docstring). ``sample()`` draws ``--batch-size`` prompts and
     returns their :class:`~tether.ppo.offpolicy.Batch` (:func:`tether.ppo.step.sample_batch`); an engine with its
-    own weights has been synced already. Records every visited prompt's pass rate in the curriculum."""
-    k = cfg.samples_per_prompt
-    first = _draw_round(run, cfg, timer, sample)
-    if not cfg.difficulty.filter_groups:
-        return replace(first, drawn_scores=first.rewards_raw.total)
-    groups = cfg.batch_size
-    flat = _flat_groups(first, k)
-    batches, flats, drawn = [first], [flat], [first.rewards_raw.total]
+    own weights has been synced already. Records one curriculum visit per prompt the step sampled."""
+    run.data.prompts.begin_step()
+    rounds = [_draw_round(run, cfg, timer, sample)]
+    out, metrics = _filled(run, cfg, timer, sample, rounds) if cfg.difficulty.filter_groups else (rounds[0], {})
+    record_visits(run, cfg, rounds)
+    generated = (torch.cat([b.rollout.query_mask.sum(dim=1).cpu() for b in rounds]),
+                 torch.cat([b.rollout.lengths.cpu() for b in rounds]))
+    return replace(out, drawn_scores=torch.cat([b.drawn_scores for b in rounds]), generated=generated,
+                   metrics=metrics, sampled_at=rounds[0].sampled_at)
+
+
+def _filled(run, cfg, timer: PhaseTimer, sample, rounds: list[StepBatch]) -> tuple[StepBatch, dict]:
+    """Dynamic sampling after the first round (``rounds``, appended to): the step's groups with spread, in draw
+    order, and its ``filter/`` metrics."""
+    k, groups, p = cfg.samples_per_prompt, cfg.batch_size, run.processes
+    flat = _flat_groups(rounds[0].drawn_scores, k)
+    batches, flats = [rounds[0]], [flat]
     have = int((~flat).sum())
-    rounds, extra_seconds = 0, 0.0
-    p = run.processes
-    while p.global_min(torch.tensor(float(have))) < groups and rounds < cfg.difficulty.max_rounds:
-        rounds += 1
+    extra, extra_seconds = 0, 0.0
+    while p.global_min(torch.tensor(float(have))) < groups and extra < cfg.difficulty.max_rounds:
+        extra += 1
         before = sum(timer.seconds.values())
         batch = _draw_round(run, cfg, timer, sample)
         extra_seconds += sum(timer.seconds.values()) - before
-        flat = _flat_groups(batch, k)
-        drawn.append(batch.rewards_raw.total)
-        if have < groups:
+        rounds.append(batch)
+        if have < groups:  # a full process samples the round too (collective) and keeps nothing of it
+            flat = _flat_groups(batch.drawn_scores, k)
             batches.append(batch)
             flats.append(flat)
             have += int((~flat).sum())
-    drawn_groups = groups * (rounds + 1)
-    # the first `groups` groups with spread in draw order, then flat ones to fill a short batch
+    # the first `groups` groups with spread in draw order; flat filler only where several processes must keep
+    # one shape (alone with no group with spread the flat groups stay: ppo_step then runs no forward at all)
     spread = [(b, g) for b, f in zip(batches, flats) for g in range(len(f)) if not f[g]][:groups]
     short = groups - len(spread)
-    filler = [(b, g) for b, f in zip(batches, flats) for g in range(len(f)) if f[g]][:short]
+    n_filler = short if p.world_size > 1 or not spread else 0
+    filler = [(b, g) for b, f in zip(batches, flats) for g in range(len(f)) if f[g]][:n_filler]
     out = _select_groups(batches, spread + filler, k, run.models.tokenizer.pad_token_id)
     kept = torch.ones(len(out.responses), dtype=torch.bool)
     kept[len(spread) * k:] = False
-    metrics = {"filter/prompts_drawn": p.global_sum(torch.tensor(float(drawn_groups))),
+    metrics = {"filter/prompts_drawn": p.global_sum(torch.tensor(float(groups * (extra + 1)))),
                "filter/groups_kept": p.global_sum(torch.tensor(float(len(spread)))),
                "filter/groups_short": p.global_sum(torch.tensor(float(short))),
-               "filter/rounds": float(rounds), "perf/seconds_filter": p.global_max(torch.tensor(extra_seconds))}
+               "filter/rounds": float(extra), "perf/seconds_filter": p.global_max(torch.tensor(extra_seconds))}
     if short:
         metrics["health/notes"] = [f"--filter-groups: {short} of {groups} groups with spread missing after "
-                                   f"{rounds} extra rounds (difficulty.max_rounds); trained on the "
+                                   f"{extra} extra rounds (difficulty.max_rounds); trained on the "
                                    f"{groups - short} it has"]
-    return replace(out, kept=kept, drawn_scores=torch.cat(drawn), metrics=metrics, sampled_at=first.sampled_at)
+    return replace(out, kept=kept), metrics
 
 
 def _draw_round(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
-    """One draw of ``--batch-size`` prompts: K samples each, scored; their pass rates go to the curriculum."""
-    m, d, k = run.models, run.data, cfg.samples_per_prompt
+    """One draw of ``--batch-size`` prompts: K samples each, scored, and judged as the estimator sees the scores."""
+    m, d = run.models, run.data
     sampled = sample()
     rows, rollout, responses = sampled.rows, sampled.rollout, sampled.responses
     with timer("reward"):  # the reward sources (B4, A9): sequence scores and a process RM's dense step rewards
@@ -95,18 +112,41 @@ def _draw_round(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
                                     rollout, m.tokenizer)
     if cfg.reward.shuffle:
         rewards_raw = shuffled(rewards_raw)
-    curriculum = d.prompts.curriculum
-    if curriculum is not None:
-        index = {id(row): i for i, row in enumerate(d.prompts.rows)}  # the stream's rows themselves, by identity
-        indices = [index[id(row)] for row in rows[::k]]
-        rates = curriculum.pass_rates(rewards_raw.total, k)
-        p = run.processes
-        if p.world_size > 1:  # one table on every process: everyone's visits
-            indices = p.all_gather(torch.tensor(indices, dtype=torch.long, device=p.device)).cpu().tolist()
-            rates = p.all_gather(rates.to(p.device)).cpu()
-        curriculum.record(indices, rates.tolist())
     return StepBatch(rows=rows, rollout=rollout, responses=responses, rewards_raw=rewards_raw,
-                     kept=torch.ones(len(rows), dtype=torch.bool), sampled_at=sampled.sampled_at)
+                     kept=torch.ones(len(rows), dtype=torch.bool), sampled_at=sampled.sampled_at,
+                     drawn_scores=estimator_scores(run, cfg, rollout, rewards_raw))
+
+
+def estimator_scores(run, cfg, rollout: Rollout, raw: RewardScores) -> torch.Tensor:
+    """(B,) the scores a group baseline would see for these rows (B4, B17): the sequence channel after the length
+    and missing-EOS penalties, normalisation and clip (:func:`~tether.ppo.sources.postprocess_scores` over this
+    draw's finite rows of all processes), plus the dense channel's sum; NaN where the raw scores are not finite
+    (B16). Running normalisation reads a copy of the running moments: judging moves nothing, and the step's own
+    scoring updates them once, as without dynamic sampling. Collective (every process judges every round)."""
+    p = run.processes
+    finite = torch.isfinite(raw.total)
+    on = p.device
+    sequence = postprocess_scores(raw.sequence.to(on), rollout.lengths.to(on), rollout.ended_with_eos.to(on),
+                                  cfg.reward, copy.deepcopy(run.data.running_scores), finite.to(on),
+                                  gather=p.all_gather).cpu()
+    return torch.where(finite, sequence + raw.dense.sum(dim=1), torch.nan)
+
+
+def record_visits(run, cfg, rounds: list[StepBatch]) -> None:
+    """The curriculum's visits of this step (B18), gathered from every process (one table on each): every prompt
+    sampled in any round, with its pass rate; a prompt drawn twice in the step makes one visit
+    (:meth:`~tether.ppo.curriculum.Curriculum.record`)."""
+    d, k, p = run.data, cfg.samples_per_prompt, run.processes
+    curriculum = d.prompts.curriculum
+    if curriculum is None:
+        return
+    index = {id(row): i for i, row in enumerate(d.prompts.rows)}  # the stream's rows themselves, by identity
+    indices = [index[id(row)] for b in rounds for row in b.rows[::k]]
+    rates = torch.cat([curriculum.pass_rates(b.rewards_raw.total, k) for b in rounds])
+    if p.world_size > 1:  # every process drew as many rounds of as many prompts: equal shapes
+        indices = p.all_gather(torch.tensor(indices, dtype=torch.long, device=p.device)).cpu().tolist()
+        rates = p.all_gather(rates.to(p.device)).cpu()
+    curriculum.record(indices, rates.tolist())
 
 
 def shuffled(scores: RewardScores) -> RewardScores:
@@ -119,9 +159,9 @@ def shuffled(scores: RewardScores) -> RewardScores:
     return RewardScores(sequence=scores.sequence[order], dense=scores.dense, errors=errors)
 
 
-def _flat_groups(batch: StepBatch, k: int) -> torch.Tensor:
-    """(G,) bool: groups with no spread among their finite scores, or fewer than 2 of them (no signal either way)."""
-    scores = batch.rewards_raw.total
+def _flat_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(G,) bool: groups with no spread among their finite ``scores`` (B,), as :func:`tether.core.group.tied`
+    judges it for the estimators, or with fewer than 2 finite scores (no signal either way)."""
     finite = torch.isfinite(scores)
     spread = group_spread(torch.where(finite, scores, 0.0), k, finite)
     return spread["no_spread"] | ~spread["counted"]

@@ -74,7 +74,9 @@ def group_metrics(p, scores: torch.Tensor, valid: torch.Tensor, k: int) -> dict:
     """With K ≥ 2 samples per prompt (B17, D1), over the groups of all processes that kept ≥ 2 samples: the share
     whose scores are all equal (no spread: every group baseline gives them advantage 0, no signal), the share of
     those at the step's highest score (solved) and at its lowest (unsolved; both when every score is equal), and
-    the mean within-group sample std of the scores. ``scores`` (B,), ``valid`` (B,) kept rows. {} for K = 1."""
+    the mean within-group sample std of the scores. ``scores`` (B,): the scores the estimator sees (B4's penalties,
+    normalisation and clip applied: :func:`tether.ppo.draw.estimator_scores`; raw scores tie where these do not,
+    and the reverse); ``valid`` (B,) kept rows. {} for K = 1."""
     if k < 2:
         return {}
     g = group_spread(scores, k, valid)
@@ -113,10 +115,14 @@ def sampler_gap_metrics(p, rollout: Rollout, logprobs_old: torch.Tensor, mask: t
             "rollout/logprob_gap_max": p.global_max(gap.max())}
 
 
-def perf_metrics(timer: PhaseTimer, n_tokens: float, sync: SyncSeconds | None = None) -> dict:
-    """Seconds per phase (C2), their sum, tokens per second and the rollout share. Weight sync is 0.0 when
-    the sampler reads the trained weights directly (the transformers engine); ``sync`` splits it into gather
-    (waiting for a block's full tensors) and transfer (loading or broadcasting them)."""
+def perf_metrics(timer: PhaseTimer, generated_tokens: float, kept_tokens: float | None = None,
+                 sync: SyncSeconds | None = None) -> dict:
+    """Seconds per phase (C2), their sum, token rates and the rollout share. ``generated_tokens``: the response
+    tokens generation made this step, every round of ``--filter-groups`` included, all processes (its seconds are
+    all in ``perf/seconds_generate``); ``kept_tokens``: those of the rows the step trains on (None: all of them).
+    Weight sync is 0.0 when the sampler reads the trained weights directly (the transformers engine); ``sync``
+    splits it into gather (waiting for a block's full tensors) and transfer (loading or broadcasting them)."""
+    kept_tokens = generated_tokens if kept_tokens is None else kept_tokens
     s = {phase: timer.seconds.get(phase, 0.0) for phase in ("generate", "weight_sync", *SCORE_PHASES, "train")}
     seconds_score = sum(s[phase] for phase in SCORE_PHASES)
     seconds_step = s["generate"] + s["weight_sync"] + seconds_score + s["train"]
@@ -124,17 +130,23 @@ def perf_metrics(timer: PhaseTimer, n_tokens: float, sync: SyncSeconds | None = 
     return {**{f"perf/seconds_{phase}": v for phase, v in s.items()},
             "perf/seconds_weight_gather": sync.gather, "perf/seconds_weight_transfer": sync.transfer,
             "perf/seconds_score": seconds_score, "perf/seconds_step": seconds_step,
-            "perf/tokens_per_second": n_tokens / max(seconds_step, 1e-9),
+            "perf/tokens_per_second": generated_tokens / max(seconds_step, 1e-9),
+            "perf/kept_tokens_per_second": kept_tokens / max(seconds_step, 1e-9),
             "perf/rollout_share": s["generate"] / max(seconds_step, 1e-9)}
 
 
 def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run: int, critic_only: bool,
-                       packed: bool = False) -> dict:
+                       packed: bool = False, generated: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       forwards: bool = True) -> dict:
     """Model FLOPs per second over the device's peak (C6): for the step, generation and training (per device:
     all processes' FLOPs over world size), and the share of the padded layout's positions that are padding (under
-    ``packed`` forwards none of it is computed, and a prompt shared by K rows counts once)."""
+    ``packed`` forwards none of it is computed, and a prompt shared by K rows counts once). ``generated``: (R·B,)
+    prompt and response tokens of every row generation made (every ``--filter-groups`` round; None: ``rollout``'s
+    rows); ``forwards`` False: the scoring forwards did not run (a step with nothing to train on)."""
     shares = prompt_shares(rollout.query, rollout.query_mask) if packed else None
-    flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only, shares)
+    flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only, shares, generated)
+    if not forwards:
+        flops.update(logprobs_old=0.0, reference=0.0, values=0.0)
     per_device = {phase: p.global_sum(f) / p.world_size for phase, f in flops.items()}
     seconds = {phase: timer.seconds.get(phase, 0.0) for phase in flops}
 

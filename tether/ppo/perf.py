@@ -81,17 +81,21 @@ def throughput_of(models, device: torch.device, dtype: torch.dtype = torch.float
 
 
 def step_flops(t: Throughput, query_mask: torch.Tensor, lengths: torch.Tensor, epochs_run: int,
-               critic_only: bool, prompt_share: torch.Tensor | None = None) -> dict[str, float]:
+               critic_only: bool, prompt_share: torch.Tensor | None = None,
+               generated: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """Model FLOPs of one step's phases on this process (``query_mask`` (B, P), ``lengths`` (B,) response
     tokens). Forwards over prompt + response compute logits only for the response (B2's ``logits_to_keep``);
     the train phase makes ``epochs_run`` passes of forward + backward (a policy forward only, no backward,
     during critic warm-up). Reward-model forwards are not counted: they run on their own tokenizer.
     ``prompt_share`` (B,): the share of its prompt each row's policy forwards compute — 1/n for a prompt that n
-    rows share under ``ppo.packing`` (computed once for them all); None: 1 (padded rows)."""
+    rows share under ``ppo.packing`` (computed once for them all); None: 1 (padded rows). ``generated``: (N,) ×2,
+    prompt and response tokens of every row generation made, when it made more than the step scores (the rounds of
+    ``--filter-groups``); None: the step's own rows."""
     prompt = query_mask.sum(dim=1).tolist()
     response = lengths.tolist()
     share = [1.0] * len(prompt) if prompt_share is None else prompt_share.tolist()
-    gen = sum(generation_flops(t.policy, p, r) for p, r in zip(prompt, response))
+    made = (prompt, response) if generated is None else (generated[0].tolist(), generated[1].tolist())
+    gen = sum(generation_flops(t.policy, p, r) for p, r in zip(*made))
     policy = sum(forward_flops(t.policy, p * s + r, with_head=False) + 2.0 * t.policy.head_params * r
                  for p, r, s in zip(prompt, response, share))
     if t.critic is not None:

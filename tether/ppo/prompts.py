@@ -47,8 +47,9 @@ def split_held_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[d
 @dataclass
 class PromptStream:
     """Seeded, reshuffled each epoch, split across ranks; ``state_dict`` is the data position (B14). With a
-    :class:`~tether.ppo.curriculum.Curriculum` each draw is weighted by the prompts' recent pass rates instead
-    (without replacement within a draw, seeded by seed, rank and the draw count), and its table is state too."""
+    :class:`~tether.ppo.curriculum.Curriculum` each draw is weighted by the prompts' recent pass rates instead: one
+    draw of ``batch_size`` × world size for all processes (seeded by seed and the draw count, each rank its slice),
+    without replacement within a step (:meth:`begin_step`), and its table is state too."""
 
     rows: list[dict]
     batch_size: int
@@ -59,6 +60,7 @@ class PromptStream:
     cursor: int = 0
     curriculum: Curriculum | None = None
     draws: int = 0
+    taken: torch.Tensor | None = None  # (len(rows),) bool: the prompts the curriculum drew this step (this pass)
 
     def _order(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
@@ -72,10 +74,18 @@ class PromptStream:
     def next_batch(self) -> list[dict]:
         return self.draw()[1]
 
+    def begin_step(self) -> None:
+        """A new step: the curriculum may draw every prompt again (a step's rounds draw without replacement)."""
+        self.taken = None
+
     def _next_indices(self) -> list[int]:
-        if self.curriculum is not None:
+        if self.curriculum is not None:  # one draw for all processes (the same seed, the same table), rank's slice
             self.draws += 1
-            return self.curriculum.draw(self.batch_size, (self.seed * 1_000_003 + self.rank) * 100_003 + self.draws)
+            if self.taken is None:
+                self.taken = torch.zeros(len(self.rows), dtype=torch.bool)
+            every = self.curriculum.draw(self.batch_size * self.world_size,
+                                         self.seed * 1_000_003 * 100_003 + self.draws, self.taken)
+            return every[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         stride = self.batch_size * self.world_size
         if self.cursor + stride > len(self.rows):
             if stride > len(self.rows):

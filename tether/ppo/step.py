@@ -65,19 +65,20 @@ def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[
 def ppo_step(run, cfg, step: int) -> dict:
     """One PPO step on ``run`` (:class:`~tether.ppo.setup.Run`). Returns the metrics."""
     p, m, o, d = run.processes, run.models, run.optim, run.data
-    timer = PhaseTimer()
-    temperature = cfg.generation.temperature
+    timer, temperature = PhaseTimer(), cfg.generation.temperature
 
     # 1. Rollout (B1) and the reward sources' scores (B4, A9; sequence and dense channels apart): sampled now — an
     # engine holding its own weights takes the current ones first (C3; here, so a resumed run is covered too) — or
     # received from the rollout processes one step ahead (C7). The prompts come from the stream (weighted by the
-    # curriculum, B18); with --filter-groups, groups whose scores have no spread are replaced by more draws (B18).
+    # curriculum, B18); with --filter-groups, groups whose scores have no spread are replaced by more draws (B18):
+    # alone with none to train on, nothing more is computed.
     if m.engine.syncs_weights and d.ahead is None:
         with timer("weight_sync"):
             m.engine.sync_weights(m.unwrapped_policy)
     batch = draw_step_batch(run, cfg, timer, lambda: sample_batch(run, cfg, step, timer))
-    rollout, rewards_raw = batch.rollout, batch.rewards_raw
-    response_mask = rollout.response_mask.float()  # (B, T)
+    if p.world_size == 1 and not bool(batch.kept.any()):
+        return nothing_to_train(run, cfg, step, timer, batch)
+    rollout, rewards_raw, response_mask = batch.rollout, batch.rewards_raw, batch.rollout.response_mask.float()
 
     with timer("score"):  # charged to its parts, SCORE_PHASES (C2)
         # Steps 2-4 compute in the run's precision (C5): policy and reference alike, so that before any update
@@ -127,28 +128,47 @@ def ppo_step(run, cfg, step: int) -> dict:
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     any_kept = bool(p.global_sum(valid.sum()) > 0)
-    with timer("train"), torch.enable_grad():
-        if any_kept:
-            train_stats, epochs_run = ppo_epochs(run, cfg, experience, step)
-        else:  # every row dropped: no update at all (an optimizer step on zero gradients still moves Adam)
-            train_stats, epochs_run = {"health/skipped_updates": 0, "ppo/updates": 0}, 0
+    with timer("train"), torch.enable_grad():  # every row dropped: no update (a step on zero gradients moves Adam)
+        train_stats, epochs_run = (ppo_epochs(run, cfg, experience, step) if any_kept
+                                   else ({"health/skipped_updates": 0, "ppo/updates": 0}, 0))
 
     # 10. KL controller (B11) on this step's per-token KL to the reference, pooled over all processes' tokens.
     # It learns only from rollouts of a policy that has been updated: before the first policy update (step 1,
     # and every critic warm-up step) the KL is exactly 0 and says nothing about β.
-    kl_mean = global_masked_mean(p, kl, response_mask)
-    beta_used = o.kl_controller.value
+    kl_mean, beta_used = global_masked_mean(p, kl, response_mask), o.kl_controller.value
     if step > cfg.critic.warmup_steps + 1 and any_kept:  # a step that kept no row measured no KL (not a KL of 0)
         o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
     metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run,
                            any_kept)
+    return step_result(run, step, batch, metrics, train_stats, finite, notes)
+
+
+def step_result(run, step: int, batch, metrics: dict, train_stats: dict, finite: torch.Tensor,
+                notes: list[str]) -> dict:
+    """What :func:`ppo_step` returns: the step's metrics, the draw's and the updates', the rows dropped as
+    non-finite (B16), and two entries the run loop pops (not metrics): ``health/notes``, the alert lines, and
+    ``health/non_finite_stall``, whether the step counts toward B16's stop — its updates were all skipped for a
+    non-finite loss or gradient norm, or it had no finite row at all; not a step with nothing with spread to learn
+    from (``--filter-groups``, every group flat: the phase dynamic sampling exists for)."""
+    p = run.processes
     metrics["health/dropped_rows"] = p.global_sum((~finite).sum().float())
-    if d.ahead is not None:
+    if run.data.ahead is not None:
         metrics["rollout/staleness"] = step - 1 - batch.sampled_at
     notes = notes + batch.metrics.pop("health/notes", [])
-    return {**metrics, **batch.metrics, **train_stats,
-            "health/notes": notes}  # alert lines, popped by the run loop (not a metric)
+    stalled = train_stats["ppo/updates"] == 0 and (train_stats["health/skipped_updates"] > 0
+                                                   or p.global_sum(finite.sum().float()) == 0)
+    return {**metrics, **batch.metrics, **train_stats, "health/notes": notes, "health/non_finite_stall": stalled}
+
+
+def nothing_to_train(run, cfg, step: int, timer: PhaseTimer, batch) -> dict:
+    """The result of a step with no row to train on and no other process to keep in step (``--filter-groups``
+    short of every group): steps 2–10 are skipped — no forward over rows that would weigh nothing, no update, the
+    KL controller left alone — and what was drawn is reported as :func:`ppo_step` reports it."""
+    mask = batch.rollout.response_mask
+    finite, notes = finite_rows(batch.rewards_raw, (mask.float(),), None, mask)  # the scores alone were computed
+    metrics = step_metrics(run, cfg, step, timer, batch, None, None, 0.0, run.optim.kl_controller.value, 0, False)
+    return step_result(run, step, batch, metrics, {"health/skipped_updates": 0, "ppo/updates": 0}, finite, notes)
 
 
 def sample_batch(run, cfg, step: int, timer: PhaseTimer) -> Batch:
@@ -181,31 +201,34 @@ def estimate_advantages(cfg, distributed: bool, rewards: torch.Tensor, values_ol
     return advantages, returns
 
 
-def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience, entropy: torch.Tensor,
+def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience | None, entropy: torch.Tensor | None,
                  kl_mean: float, beta_used: float, epochs_run: int, any_kept: bool) -> dict:
     """The step's metrics (B12, C2, C6) over all processes, from the batch as it was sampled (``batch``:
-    :class:`~tether.ppo.draw.StepBatch`; the group metrics of every group drawn) and the experience. A step that
-    kept no row (``any_kept`` False: every row non-finite, or dynamic sampling short of every group) has no mean
-    over kept rows or tokens: those keys are left out, not written as 0 (a 0 would read as a collapsed entropy, a
-    KL of 0, a score of 0 where the drawn groups were solved)."""
-    p, mask, rollout, scores_raw = run.processes, e.response_mask, batch.rollout, batch.rewards_raw.total
+    :class:`~tether.ppo.draw.StepBatch`; the group metrics of every group drawn, on the scores the estimator sees)
+    and the experience (None: no forward ran, :func:`nothing_to_train`). A step that kept no row (``any_kept``
+    False: every row non-finite, or dynamic sampling short of every group) has no mean over kept rows or tokens:
+    those keys are left out, not written as 0 (a 0 would read as a collapsed entropy, a KL of 0, a score of 0 where
+    the drawn groups were solved). Throughput counts every round's generation and the forwards that ran."""
+    p, rollout, scores_raw = run.processes, batch.rollout, batch.rewards_raw.total
     curriculum = run.data.prompts.curriculum
     drawn = batch.drawn_scores
     over_kept = {
-        **objective_metrics(p, e.scores, scores_raw, e.rewards, e.kl, mask, e.valid, kl_mean, beta_used),
-        "policy/entropy": global_masked_mean(p, entropy, mask),
-        **(value_metrics(p, e.values_old, e.returns, mask) if e.values_old is not None else {}),
-        **sampler_gap_metrics(p, rollout, e.logprobs_old, mask),
-        **correction_metrics(p, cfg, rollout, e.logprobs_old, mask),
+        **objective_metrics(p, e.scores, scores_raw, e.rewards, e.kl, e.response_mask, e.valid, kl_mean, beta_used),
+        "policy/entropy": global_masked_mean(p, entropy, e.response_mask),
+        **(value_metrics(p, e.values_old, e.returns, e.response_mask) if e.values_old is not None else {}),
+        **sampler_gap_metrics(p, rollout, e.logprobs_old, e.response_mask),
+        **correction_metrics(p, cfg, rollout, e.logprobs_old, e.response_mask),
     } if any_kept else {"objective/kl_coef": beta_used}
+    kept_tokens = rollout.lengths[e.valid.to(rollout.lengths.device)].sum() if e is not None else 0
     return {
         **over_kept,
         **group_metrics(p, drawn, torch.isfinite(drawn), cfg.samples_per_prompt),
         **(curriculum.summary() if curriculum is not None else {}),
         **response_metrics(p, rollout),
-        **perf_metrics(timer, p.global_sum(rollout.lengths.sum().float()), run.models.engine.sync_seconds),
+        **perf_metrics(timer, p.global_sum(batch.generated[1].sum().float()),
+                       p.global_sum(torch.as_tensor(kept_tokens).float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps,
-                             packed=run.models.forward.packing),
+                             packed=run.models.forward.packing, generated=batch.generated, forwards=e is not None),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
     }

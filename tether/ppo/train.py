@@ -39,8 +39,10 @@ ALARM = "health alarm"
 
 
 def note_non_finite(log: RunLog, step: int, notes: list[str], streak: int, limit: int) -> int:
-    """Alert lines for rows dropped and updates skipped (B16); returns the new streak of steps with no
-    applied update, and stops the run (one-line error) when it reaches ``limit``."""
+    """Alert lines for rows dropped and updates skipped (B16); returns ``streak``, the steps in a row whose every
+    update was skipped for a non-finite loss or gradient norm (or that had no finite row), and stops the run
+    (one-line error) when it reaches ``limit``. A step with no update because dynamic sampling found no group with
+    spread is not such a step."""
     for note in notes:
         log.alert(step, note)
     if streak >= limit:
@@ -158,7 +160,8 @@ class PPOTrainer:
         step, self.stopped, self.callbacks.stop_reason = self.steps_done + 1, None, None  # a script may go on
         metrics = ppo_step(run, cfg, step)
         notes = metrics.pop("health/notes", [])
-        self.skip_streak = self.skip_streak + 1 if metrics["ppo/updates"] == 0 else 0
+        # B16: only a step stalled by non-finite values counts, not one with no group with spread (#51)
+        self.skip_streak = self.skip_streak + 1 if metrics.pop("health/non_finite_stall", False) else 0
         if run.data.eval_every and (step % run.data.eval_every == 0 or step == cfg.steps):
             metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
         record = StepRecord(step=step, metrics={"step": step, **metrics})

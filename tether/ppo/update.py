@@ -26,7 +26,9 @@ def ppo_epochs(run, cfg, experience: Experience, step: int) -> tuple[dict, int]:
     accumulation, per-model grad-norm clipping, critic warm-up and the KL early stop (B10). The shuffle moves
     whole groups (the K samples of a prompt stay together in one minibatch, B17; K = 1: the rows). After an epoch
     whose mean approx KL to π_old exceeds ``ppo.early_stop_factor × ppo.target_kl``, no further epoch runs.
-    Returns the mean stats of the applied updates and the number of epochs run."""
+    Returns the mean stats of the applied updates and the number of epochs run. Minibatches hold
+    ``minibatch_size`` rows; a batch of fewer groups than ``--batch-size`` (a short ``--filter-groups`` step on one
+    process) makes fewer of them, the last one smaller."""
     p = run.processes
     critic_only = step <= cfg.critic.warmup_steps
     sums: dict[str, float] = {}
@@ -85,7 +87,8 @@ def minibatch_update(run, cfg, minibatch: Experience, critic_only: bool) -> dict
     stats: dict[str, float] = {}
     ratio_max = 0.0
     for m0 in range(0, len(minibatch), micro):
-        mb = minibatch.select(torch.arange(m0, m0 + micro, device=p.device))
+        # a step short of groups alone (--filter-groups) ends on a smaller minibatch: its micro-batches too
+        mb = minibatch.select(torch.arange(m0, min(m0 + micro, len(minibatch)), device=p.device))
         mb = mb.trimmed() if cfg.ppo.trim_padding else mb
         weight = loss_normaliser(cfg, mb) / n_tokens
         with p.no_sync([x for x in (m.policy_model, m.critic) if x is not None], last=m0 + micro >= len(minibatch)):
