@@ -335,6 +335,15 @@ def test_sft_trainer_called_as_trl_calls_it_trains_text_rows_on_every_token(tmp_
     assert metrics["eval/tokens"] == sum(len(r) - 1 for r in ids)
     assert metrics["eval/loss"] == pytest.approx(total / metrics["eval/tokens"], abs=1e-5)
     assert trainer.train().steps == 2  # 4 rows, 2 a step, one epoch
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prompts = make_prompts_file(tmp_path, n=4)
+    by_path = tether.SFTTrainer(model=str(policy), train_dataset=str(data), eval_prompts=str(prompts),
+                                args={"output_dir": str(tmp_path / "sft2"), "progress": False, "max_steps": 1})
+    assert (by_path.cfg.data.files, by_path.cfg.eval.prompts, by_path.cfg.model.path) == \
+        ([str(data)], str(prompts), str(policy))  # recorded as the flags record them
+    assert len(by_path.run.eval_rows) == 4 and by_path.run.data_info["train_rows"] + by_path.run.data_info[
+        "held_out_rows"] == len(texts)
 
 
 def test_reward_trainer_takes_trls_names_and_a_path_and_refuses_eval_dataset_in_one_line(tmp_path):
@@ -405,3 +414,24 @@ def test_the_coming_from_trl_tables_are_the_codes_table():
         rows = row.findall(table)
         assert {(trl, key) for trl, key, _ in rows} == set(TRL_KEYS[cls.__name__].items()), lead
         assert all(config_keys(cls)[key] == flag for _, key, flag in rows), lead
+
+
+def test_a_path_string_is_read_wherever_python_hands_over_a_dataset(tmp_path):
+    from tether.data import pairs_from_data
+    from tether.errors import DataError
+    from tether.prompt_rows import prompts_from_data
+    from tether.sft.data import rows_from_data
+
+    def jsonl(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    prompts = jsonl("p.jsonl", [{"prompt": "2+2=", "answer": "4"}, {"question": "3+3?", "answer": "6"}])
+    assert [r["prompt"] for r in prompts_from_data(prompts)] == ["2+2=", "3+3?"]
+    rows, _ = rows_from_data(jsonl("s.jsonl", [{"text": "abc"}, {"prompt": "p", "completion": "c"}]), "train_data")
+    assert [r.whole_text for r in rows] == [True, False]
+    pairs, stats = pairs_from_data(jsonl("r.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}]))
+    assert (pairs[0].chosen, stats.pairs) == ("a", 1)
+    bad = jsonl("bad.jsonl", [{"text": "ok"}, {"text": ""}])
+    with pytest.raises(DataError, match=rf"^{re.escape(bad)}: line 2: field 'text' is empty$"):  # the file's line
+        rows_from_data(bad, "train_data")

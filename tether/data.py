@@ -29,6 +29,7 @@ import random
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 
 from tether.conversations import (  # noqa: F401 - ASSISTANT, split_transcript, transcript_messages: this module's API
@@ -316,7 +317,10 @@ def load_preference_pairs(paths: Iterable[str | Path], *, skip_invalid: bool = F
 def pairs_from_data(data, name: str = "pairs", *, skip_invalid: bool = False
                     ) -> tuple[list[PreferencePair], PairStats]:
     """Preference pairs from rows handed over from Python (:func:`python_records`); rows are named
-    ``"NAME: row N"`` in errors. A list of :class:`PreferencePair` is taken as it is."""
+    ``"NAME: row N"`` in errors. A list of :class:`PreferencePair` is taken as it is; a path string (or
+    ``hf:org/name``) is read as the file it names."""
+    if isinstance(data, (str, PathLike)):
+        return load_preference_pairs([data], skip_invalid=skip_invalid)
     if isinstance(data, (list, tuple)) and data and all(isinstance(p, PreferencePair) for p in data):
         return list(data), PairStats(rows=len(data), pairs=len(data))
     stats, bad = PairStats(), []

@@ -49,8 +49,14 @@ def load_prompts(path: str, skip_invalid: bool = False) -> list[dict]:
 
 def prompts_from_data(data, name: str = "prompts") -> list[dict]:
     """Prompt rows handed over from Python: a ``datasets.Dataset`` or a list of rows, of prompt texts, or of
-    message lists (:func:`tether.data.python_records`); rows are named ``"NAME: row N"`` in errors."""
+    message lists (:func:`tether.data.python_records`); rows are named ``"NAME: row N"`` in errors. A path string
+    (or ``hf:org/name``) is read as the file it names (:func:`load_prompts`)."""
+    import os
+
     from tether.data import python_records
+
+    if isinstance(data, (str, os.PathLike)):
+        return load_prompts(os.fspath(data))
 
     records = [(n, r if isinstance(r, dict) else {"prompt": r}) for n, r in python_records(data, name)]
     return prompt_rows(records, lambda n: f"{name}: row {n}", name)

@@ -143,8 +143,15 @@ def load_rows(paths: list[str], skip_invalid: bool = False) -> tuple[list[SFTRow
 
 def rows_from_data(data, name: str, skip_invalid: bool = False) -> tuple[list[SFTRow], RowStats]:
     """Rows handed over from Python: a ``datasets.Dataset`` or a list of records (or of :class:`SFTRow`); rows are
-    named ``"NAME: row N"`` in errors."""
+    named ``"NAME: row N"`` in errors. A path string (or a list of them, or ``hf:org/name``) is read as the files it
+    names (:func:`load_rows`)."""
+    import os
+
     from tether.data import python_records
+
+    if isinstance(data, (str, os.PathLike)) or (isinstance(data, (list, tuple)) and data and
+                                                all(isinstance(d, (str, os.PathLike)) for d in data)):
+        return load_rows([os.fspath(d) for d in (data if isinstance(data, (list, tuple)) else [data])], skip_invalid)
 
     if isinstance(data, (list, tuple)) and data and all(isinstance(r, SFTRow) for r in data):
         return list(data), RowStats(rows=len(data), kept=len(data))

@@ -85,8 +85,9 @@ class SFTTrainer:
                  processing_class=None):
         from tqdm.auto import tqdm
 
-        cfg, model, tokenizer, train_data, eval_data = sft_arguments(  # a copy: the caller's config stays as it was
-            config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data, eval_dataset)
+        cfg, model, tokenizer, train_data, eval_data, eval_prompts = sft_arguments(  # a copy of the caller's config
+            config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data, eval_dataset,
+            eval_prompts)
         given = Given(train_data, eval_data, eval_prompts, model, tokenizer, gold)
         name_given(cfg, given)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)

@@ -88,11 +88,11 @@ def ppo_arguments(config, args, model, reward, reward_funcs, prompts, train_data
 
 
 def sft_arguments(config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data,
-                  eval_dataset):
-    """``(config, model, tokenizer, train_data, eval_data)`` of ``SFTTrainer`` called with tether's or TRL's
-    argument names: ``model`` a name or path (``model.path``) or an object, whose tokenizer is loaded from where it
-    was loaded (``model.name_or_path``) when none is given, as TRL does; datasets given as paths go into
-    ``data.files``/``data.eval_files``."""
+                  eval_dataset, eval_prompts=None):
+    """``(config, model, tokenizer, train_data, eval_data, eval_prompts)`` of ``SFTTrainer`` called with tether's or
+    TRL's argument names: ``model`` a name or path (``model.path``) or an object, whose tokenizer is loaded from where
+    it was loaded (``model.name_or_path``) when none is given, as TRL does; datasets given as paths go into
+    ``data.files``/``data.eval_files``/``eval.prompts``."""
     from tether.sft.config import SFTConfig
 
     cfg = _config(SFTConfig, config, args, "SFTTrainer")
@@ -106,7 +106,7 @@ def sft_arguments(config, args, model, tokenizer, processing_class, train_data, 
     train = data_argument(cfg, "data.files", one_of("SFTTrainer", train_data=train_data, train_dataset=train_dataset))
     held_out = data_argument(cfg, "data.eval_files", one_of("SFTTrainer", eval_data=eval_data,
                                                             eval_dataset=eval_dataset))
-    return cfg, model, tokenizer, train, held_out
+    return cfg, model, tokenizer, train, held_out, data_argument(cfg, "eval.prompts", eval_prompts)
 
 
 def reward_arguments(config, args, model, pairs, train_dataset, eval_dataset):
