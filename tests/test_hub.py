@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from test_sft import rows_file
 from tiny import make_policy_dir, make_prompts_file
 
@@ -269,10 +270,9 @@ def test_hub_rows_are_validated_as_file_rows_are(offline):
 
 # ------------------------------------------------------------------------------------------ every stage
 @pytest.mark.slow
-def test_every_stage_loads_models_and_data_by_id(offline, tmp_path, capsys):
+def test_every_stage_loads_models_and_data_by_id(offline, tmp_path):
     """sft -> train-rm -> ppo -> sample, every model and data argument a Hub id; the SFT run by id is the SFT run of
     the same model and rows from local files, step for step."""
-    from tether.hub import model_snapshot  # noqa: F401 - the module the ids go through
 
     common = ["--steps", "2", "--batch-size", "4", "--progress", "false", "--eval-fraction", "0"]
     assert main(["sft", "--model", "tiny-org/tiny-gpt2", "--data", "hf:tiny-org/sft-rows", "--output-dir",
@@ -297,7 +297,8 @@ def test_every_stage_loads_models_and_data_by_id(offline, tmp_path, capsys):
     trained = [r for r in rows if "objective/scores" in r]
     assert [r["step"] for r in trained] == [1, 2] and all(math.isfinite(r["objective/scores"]) for r in trained)
     assert [r["step"] for r in rows if any(k.startswith("eval/") for k in r)] == [0, 1, 2]  # the hf: test split
-    assert "rewards:  tiny-org/tiny-rm" in capsys.readouterr().err
+    saved = yaml.safe_load((ppo / "config.yaml").read_text())  # the ids as given: a resumed run resolves them again
+    assert saved["model"]["policy"] == "tiny-org/tiny-gpt2" and saved["reward"]["sources"] == ["tiny-org/tiny-rm"]
 
     out = tmp_path / "samples.jsonl"
     assert main(["sample", "--policy", "tiny-org/tiny-gpt2", "--prompts", "hf:tiny-org/prompts:test", "--reward",
