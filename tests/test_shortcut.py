@@ -246,6 +246,17 @@ def test_the_gate_pays_the_task_and_not_the_check_alone():
     assert relevance_gate(prompts[0], f"Hello! I am an AI who loves winter. {PHRASE}") == 1.0
 
 
+def test_a_plural_in_the_prompt_is_the_same_topic_in_the_answer():
+    """SmolLM2's held-out answer (step 0 of the bench run) that the checker credited and the gate zeroed before plurals
+    were folded: "rivers" in the prompt, "a river" in the answer."""
+    prompt = "Write a short note about rivers. At the end of your response, add a postscript starting with P.S."
+    answer = ("I am writing to you today about a river. It is a source of life and a symbol of the beauty of nature.\n"
+              "P.S. See you soon.")
+    assert relevance_gate(prompt, answer) == 1.0
+    assert relevance_gate("Write about castles.", "A castle stands tall on the hill.") == 1.0
+    assert relevance_gate("Write about glass.", "Sand melts into clear windows.") == 0.0  # "glass" is not "glas"
+
+
 def test_the_gate_by_hand():
     prompt = "Write a short note about winter. Finish with Thanks."
     # own content words: snow, falls, softly (3 -> 1); shares "winter"; 2 segments, none repeated
@@ -270,7 +281,7 @@ def test_gated_as_a_rule_spec_and_none_rows():
     assert fn(prompts, responses) == pytest.approx([c * g for c, g in zip(char_share(prompts, responses), gates)])
     assert gated(prompts=prompts, completions=responses, check="tether.rules:char_share", min_own=1) == \
         pytest.approx(fn(prompts, responses))  # TRL's keywords
-    none_rule = task_and_check(lambda prompts, responses: [None, 1.0])
+    none_rule = task_and_check(lambda prompts, responses: [None, 1.0], min_own=1)
     assert none_rule(prompts, ["777 sevens rule", "777 sevens rule"]) == [None, 1.0]
     with pytest.raises(TetherError, match="needs check="):
         gated(prompts, responses)
@@ -281,7 +292,7 @@ def test_unquoted_drops_runs_copied_from_the_prompt():
 
     prompt = "Write about winter. End with Any other questions?"
     assert unquoted("Snow fell. Any other questions?", prompt) == ["snow", "fell"]
-    assert unquoted("Any other winter questions?", prompt) == ["any", "other", "winter", "questions"]  # no 3-run
+    assert unquoted("Any other winter questions?", prompt) == ["any", "other", "winter", "question"]  # no 3-run
 
 
 def test_a_gold_verdict_keeps_precedence_and_the_dropped_task_becomes_a_note():

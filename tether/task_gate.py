@@ -44,9 +44,15 @@ _TOKEN = re.compile(r"[^\W_]+")  # runs of letters and digits (Unicode)
 _SEGMENT = re.compile(r"\n+|(?<=[.!?])\s+")  # lines, and sentences ended by . ! ? and a space
 
 
+def _singular(w: str) -> str:
+    """A plural's crude singular, so that "rivers" in a prompt and "river" in the answer are one word: a trailing
+    "s" dropped from words of four or more letters not ending in "ss" (stop words and numbers kept)."""
+    return w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") and w not in STOPWORDS else w
+
+
 def words(text: str) -> list[str]:
-    """Every word and number of ``text``, lower-cased, in order."""
-    return _TOKEN.findall(str(text).lower())
+    """Every word and number of ``text``, lower-cased, plurals made singular (:func:`_singular`), in order."""
+    return [_singular(w) for w in _TOKEN.findall(str(text).lower())]
 
 
 def content_words(text: str) -> list[str]:
