@@ -1,5 +1,6 @@
 """The README stays true: CI runs exactly the fresh-machine test command, every `tether` subcommand the README
-names exists, and the "From Python" script runs (at tiny size)."""
+names exists, the "From Python" script runs (at tiny size), and the page stays a short first page (the
+measurements it once carried are in docs/results.md; paths and commands of every page: test_docs_paths.py)."""
 
 import re
 from pathlib import Path
@@ -31,6 +32,36 @@ def test_readme_names_only_real_subcommands():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     for name in set(re.findall(r"`tether ([a-z-]+)", text)):
         assert name in COMMANDS, name
+
+
+SECTIONS = ["## Try it", "## What you will see", "## Your model and your data", "## From Python",
+            "## Coming from TRL", "## Documentation", "## Status"]
+
+
+def test_readme_is_a_short_first_page_in_the_order_a_user_needs():
+    """A first page, not a lab notebook: at most ~200 lines, the sections in order, the two fresh-machine commands
+    first, and the figure the demo's report draws. Measurement tables live in docs/results.md."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 210
+    positions = [text.index(s + "\n") for s in SECTIONS]
+    assert positions == sorted(positions)
+    assert text.index("```bash") > text.index("## Try it") and "](docs/img/demo-gold.png)" in text
+    assert text.count("| seed |") == 0 and "| seed |" in (REPO / "docs" / "results.md").read_text(encoding="utf-8")
+
+
+def test_readme_examples_need_nothing_beside_the_clone():
+    """A clone has no ../shared/data: the README's examples name files a user writes, Hub ids, or the demo's."""
+    assert "../shared" not in (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def test_user_docs_name_no_issue_numbers_or_commit_hashes():
+    """"#42" and "c82fbb6" mean nothing to a user: the README and docs/ say what changed, and when."""
+    pattern = re.compile(r"(?<![#\w&])#\d+\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        found = pattern.findall(page.read_text(encoding="utf-8"))
+        assert not found, f"{page.name}: {found}"
+    assert pattern.findall("fixed in #42 (c82fbb6)") == ["#42", "c82fbb6"]
+    assert not pattern.findall("a last line `#### 72`, 1.3000001, tether3f9a01c2")
 
 
 def from_python_script() -> str:
