@@ -75,10 +75,13 @@ def test_default_share_and_schedule(keys, fraction, every):
 
 
 def test_a_default_run_evaluates_its_held_out_prompts_from_step_0(tmp_path):
-    """tiny_config leaves every evaluation setting at its default: 32 distinct prompts, 3 held out (the first 3 of
-    the seeded permutation), evaluated at step 0 and every max(1, 2 // 10) = 1 step, and never drawn for training."""
+    """Every evaluation setting at its default (tiny_config turns them off; set back here): 32 distinct prompts, 3 held
+    out (the first 3 of the seeded permutation), evaluated at step 0 and every max(1, 2 // 10) = 1 step, and never
+    drawn for training."""
     policy, prompts = make_policy_dir(tmp_path), make_prompts_file(tmp_path)
-    cfg = tiny_config(tmp_path, policy, prompts)
+    defaults = RunConfig()
+    cfg = tiny_config(tmp_path, policy, prompts, data__eval_fraction=defaults.data.eval_fraction,
+                      eval__at_start=defaults.eval.at_start)
     from tether.ppo.train import PPOTrainer
 
     trainer = PPOTrainer(cfg)

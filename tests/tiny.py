@@ -38,6 +38,8 @@ def tiny_config(root: Path, policy: Path, prompts: Path, **overrides) -> RunConf
     cfg.generation.max_new_tokens = 6
     cfg.optim.lr, cfg.optim.critic_lr = 1e-3, 1e-3
     cfg.progress = False
+    # no held-out evaluation unless a test asks (tether's default holds out 0.1 and evaluates from step 0: #49)
+    cfg.data.eval_fraction, cfg.eval.at_start = 0.0, False
     for key, value in overrides.items():
         obj = cfg
         parts = key.split("__")
