@@ -112,7 +112,7 @@ def train_rm(out: Path, name: str, examples, separator: str, args):
 def train_bt_orm(out: Path, labelled: list[dict], args):
     """The demo's outcome RM recipe for comparison: Bradley–Terry on (right ≻ wrong) pairs of samples to one
     prompt (up to 4 per prompt), read at an appended [EOS]; the same samples and backbone."""
-    from tether.data import PreferencePair
+    from tether.inputs.pairs import PreferencePair
     from tether.demo.task import build_tokenizer
     from tether.rm.config import RewardTrainingConfig
     from tether.rm.train import train_reward_model

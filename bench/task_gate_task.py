@@ -5,7 +5,7 @@ measurement. Not a public benchmark's prompts.
     python bench/task_gate_task.py OUT_DIR      # writes OUT_DIR/train.jsonl (72 prompts) and OUT_DIR/eval.jsonl (48)
     python bench/task_gate_task.py --read RUN_DIR ...   # held-out checker gain and the shortcut share, per run
     PYTHONPATH=bench tether ppo ... --reward task_gate_task:check --gold task_gate_task:check
-    PYTHONPATH=bench tether ppo ... --reward tether.task_gate:gated:check=task_gate_task:check ...
+    PYTHONPATH=bench tether ppo ... --reward tether.rules.task_gate:gated:check=task_gate_task:check ...
 """
 
 from __future__ import annotations

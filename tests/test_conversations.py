@@ -8,8 +8,8 @@ import pytest
 from tiny import CHAT_TEMPLATE, make_llama_chat_dir, tiny_config
 
 import tether
-from tether.conversations import conversational_pair, prompt_text
-from tether.data import load_preference_pairs, pairs_from_data
+from tether.inputs.conversations import conversational_pair, prompt_text
+from tether.inputs.pairs import load_preference_pairs, pairs_from_data
 from tether.errors import DataError, TetherError
 
 U, A, S = "user", "assistant", "system"

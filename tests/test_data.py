@@ -1,4 +1,4 @@
-"""tether.data: record reading (every format, every bad input named by file and line/row) and
+"""tether.inputs (records and pairs): record reading (every format, every bad input named by file and line/row) and
 preference pairs (both shapes, skip counts, the split by prompt, length balancing, real HH-RLHF)."""
 
 from __future__ import annotations
@@ -10,18 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tether.data import (
-    PreferencePair,
-    balance_by_length,
-    balance_by_reply,
-    load_preference_pairs,
-    read_records,
-    record_location,
-    split_pairs,
-    split_transcript,
-    transcript_messages,
-)
 from tether.errors import DataError
+from tether.inputs.conversations import split_transcript, transcript_messages
+from tether.inputs.pairs import PreferencePair, balance_by_length, balance_by_reply, load_preference_pairs, split_pairs
+from tether.inputs.records import read_records, record_location
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -232,7 +232,7 @@ def test_plan_reads_a_hub_models_config(offline, capsys):
 
 # ---------------------------------------------------------------------------------------------- datasets
 def test_hub_dataset_rows_are_the_files_rows(offline):
-    from tether.data import read_records
+    from tether.inputs.records import read_records
 
     assert [r for _, r in read_records("hf:tiny-org/prompts")] == jsonl_rows(offline.prompts)  # train by default
     test_rows = jsonl_rows(offline.eval_prompts)
@@ -248,7 +248,7 @@ def test_hub_dataset_rows_are_the_files_rows(offline):
     ("hf:a/b/c", "hf:a/b/c: not a Hub dataset; expected hf:org/name[:config][:split]"),
 ])
 def test_bad_hub_dataset_is_one_line(offline, spec, message):
-    from tether.data import read_records
+    from tether.inputs.records import read_records
 
     with pytest.raises(DataError) as err:
         read_records(spec)
@@ -258,7 +258,7 @@ def test_bad_hub_dataset_is_one_line(offline, spec, message):
 
 
 def test_hub_rows_are_validated_as_file_rows_are(offline):
-    from tether.data import load_preference_pairs
+    from tether.inputs.pairs import load_preference_pairs
 
     with pytest.raises(DataError, match=r"^hf:tiny-org/bad-pairs: row 2: field 'rejected' is empty$"):
         load_preference_pairs(["hf:tiny-org/bad-pairs"])
@@ -327,7 +327,7 @@ def test_environment_alone_is_honoured_in_a_fresh_process(offline, tmp_path):
     """No patched constants: HF_HOME and HF_HUB_OFFLINE in the environment of a new process, as a user sets them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_HOME=str(offline.home), HF_HUB_OFFLINE="1")
-    script = ("from tether.presets import resolve_model_path; from tether.data import read_records;"
+    script = ("from tether.presets import resolve_model_path; from tether.inputs.records import read_records;"
               "print(resolve_model_path('tiny-org/tiny-gpt2')); print(len(read_records('hf:tiny-org/prompts:test')))")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ import torch
 from test_reward_model import load_rm, save_tiny_bert, save_tiny_gpt2
 
 from tether.config import resolve_config
-from tether.data import PreferencePair, split_pairs
+from tether.inputs.pairs import PreferencePair, split_pairs
 from tether.errors import TetherError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from test_reward_model import save_tiny_bert, save_tiny_gpt2
 
 from tether.cli import main
 from tether.core.stats import wilson_interval
-from tether.data import PreferencePair
+from tether.inputs.pairs import PreferencePair
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_length_expert_carries_the_length_preference_instead_of_the_model(tmp_pa
 # --------------------------------------------------------------------------------------------- learning
 @pytest.mark.slow
 def test_tiny_model_learns_the_synthetic_rule(tmp_path):
-    from tether.data import pair_from_record
+    from tether.inputs.pairs import pair_from_record
     from tether.rm.train import RewardTrainingConfig, train_reward_model
 
     pairs = [pair_from_record(r, f"row {i}") for i, r in enumerate(script_rows(300))]
@@ -213,7 +213,7 @@ def test_cli_end_to_end_in_process(tmp_path, backbone, capsys):
 
 
 def test_cli_balance_replies_trains_on_the_balanced_subset(tmp_path, backbone, capsys):
-    from tether.data import balance_by_reply, load_preference_pairs, split_pairs
+    from tether.inputs.pairs import balance_by_reply, load_preference_pairs, split_pairs
 
     # "yes" and "no" each chosen as often as rejected; "maybe" only ever rejected (a disfavoured text)
     rows = [{"prompt": f"question {i}", "chosen": ("yes", "no")[i % 2], "rejected": ("no", "yes")[i % 2]}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tether.errors import TetherError
-from tether.rule_calls import call_rule
+from tether.rules.calls import call_rule
 from tether.ppo.sources import RuleSource, judged_sum, score_responses
 
 

@@ -76,7 +76,7 @@ def test_csv_rows_and_rows_from_python_are_named_too(tmp_path):
 
 
 def test_split_by_prompt_keeps_each_prompt_on_one_side():
-    from tether.data import split_by_prompt
+    from tether.inputs.splits import split_by_prompt
 
     rows = [SFTRow(f"p{i % 10}", f"c{i}") for i in range(40)]  # 10 prompts, 4 completions each (RFT-like)
     train, held = split_by_prompt(rows, 0.2, seed=0)

@@ -1,6 +1,6 @@
 """The check satisfied, the task dropped (#51): the doctor's per-problem shortcut detector on planted histories of our
 own small instruction task (a short text about a topic, one verifiable instruction checked by a rule written here),
-and the task-and-check reward (tether.task_gate) on planted prompt/answer pairs."""
+and the task-and-check reward (tether.rules.task_gate) on planted prompt/answer pairs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from tether.diagnostics.gold import mcnemar_one_sided, upper_tail, z_of
 from tether.diagnostics.health import GOLD_ALARM, GOLD_WARN, TASK_DROPPED
 from tether.diagnostics.shortcut import TOLERATED, binomial_upper_tail, judge, judge_run, task_signals
-from tether.task_gate import gated, relevance_gate, task_and_check
+from tether.rules.task_gate import gated, relevance_gate, task_and_check
 
 TOPICS = ["winter", "honey", "lighthouses", "bicycles", "gardens", "rain", "trains", "cats", "autumn", "harbours",
           "volcanoes", "libraries"]
@@ -274,7 +274,7 @@ def test_gated_as_a_rule_spec_and_none_rows():
     from tether.errors import TetherError
     from tether.rules import char_share, load_rule
 
-    fn = load_rule("tether.task_gate:gated:check=tether.rules:char_share,min_own=1")
+    fn = load_rule("tether.rules.task_gate:gated:check=tether.rules:char_share,min_own=1")
     prompts, responses = ["Say seven things about 7s."] * 2, ["777 sevens rule", "Say seven things about 7s."]
     gates = [relevance_gate(p, r, min_own=1) for p, r in zip(prompts, responses)]
     assert gates[0] == 1.0 and gates[1] == 0.0  # the echo has nothing of its own
@@ -288,7 +288,7 @@ def test_gated_as_a_rule_spec_and_none_rows():
 
 
 def test_unquoted_drops_runs_copied_from_the_prompt():
-    from tether.task_gate import unquoted
+    from tether.rules.task_gate import unquoted
 
     prompt = "Write about winter. End with Any other questions?"
     assert unquoted("Snow fell. Any other questions?", prompt) == ["snow", "fell"]

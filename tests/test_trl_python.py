@@ -150,8 +150,8 @@ def doc_rows(section: str) -> list[dict]:
 
 
 def test_every_row_on_the_data_formats_page_is_read_by_the_real_readers():
-    from tether.data import PreferencePair, pair_from_record
-    from tether.prompt_rows import prompt_rows
+    from tether.inputs.pairs import PreferencePair, pair_from_record
+    from tether.inputs.prompt_rows import prompt_rows
     from tether.rm.steps import example_from_record
     from tether.sft.data import row_from_record
 
@@ -183,9 +183,9 @@ def test_the_coming_from_trl_tables_are_the_codes_table():
 
 
 def test_a_path_string_is_read_wherever_python_hands_over_a_dataset(tmp_path):
-    from tether.data import pairs_from_data
+    from tether.inputs.pairs import pairs_from_data
     from tether.errors import DataError
-    from tether.prompt_rows import prompts_from_data
+    from tether.inputs.prompt_rows import prompts_from_data
     from tether.sft.data import rows_from_data
 
     def jsonl(name, rows):

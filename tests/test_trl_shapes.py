@@ -13,7 +13,7 @@ import torch
 
 import tether
 from tether.errors import TetherError
-from tether.rule_calls import call_rule, calls_by_keyword, with_completion_ids
+from tether.rules.calls import call_rule, calls_by_keyword, with_completion_ids
 
 from tiny import make_llama_chat_dir, make_policy_dir, make_prompts_file, tiny_config
 
@@ -233,7 +233,7 @@ def test_a_bad_text_row_is_one_line_naming_the_row(record, message):
 
 
 def test_ppo_prompts_as_trl_has_them_text_or_messages_with_columns_for_rules():
-    from tether.prompt_rows import collate_fields, prompts_from_data
+    from tether.inputs.prompt_rows import collate_fields, prompts_from_data
 
     rows = prompts_from_data([{"prompt": "2+2=", "solution": "4"},
                               {"prompt": [{"role": "system", "content": "be brief"},

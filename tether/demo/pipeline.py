@@ -266,7 +266,7 @@ def environment() -> dict:
 
 def train_demo_rm(out: Path, pairs: list[dict], settings: DemoSettings, seed: int) -> dict:
     """Stage A on the demo pairs, initialised from the SFT policy (as InstructGPT's RM is)."""
-    from tether.data import PreferencePair
+    from tether.inputs.pairs import PreferencePair
     from tether.rm.train import RewardTrainingConfig, train_reward_model
 
     cfg = RewardTrainingConfig()

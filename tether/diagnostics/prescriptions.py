@@ -126,7 +126,7 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
     ],
     # #51: counted problem by problem (tether.diagnostics.shortcut); the answers are in the verdict
     TASK_DROPPED: [
-        Rx("reward the task as well as its check: the checker times a relevance gate (tether.task_gate:gated:"
+        Rx("reward the task as well as its check: the checker times a relevance gate (tether.rules.task_gate:gated:"
            "check=YOUR_CHECKER; docs/real-models.md), or a reward model trained on the policy's own answers",
            "reward.sources"),
         Rx("a length floor: EOS not sampled before this many tokens (about half the step-0 held-out "

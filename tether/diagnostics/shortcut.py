@@ -24,7 +24,7 @@ flagged by chance (a reworded answer that trips a signal),
 
 so "3 of 3 gains" alarms (p = 0.001) and "1 of 67" does not. Beside it, the reward's own paired gain (exact one-sided
 McNemar, as the gold bands pair problems) and the same counting only the gains that kept the task. Imports only the
-standard library and tether's text features (:mod:`tether.task_gate`).
+standard library and tether's text features (:mod:`tether.rules.task_gate`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tether.diagnostics.gold import mcnemar_one_sided, z_of
 from tether.diagnostics.health import GOLD_ALARM, GOLD_WARN, TASK_DROPPED
-from tether.task_gate import content_words, echo_share, own_words, repeated_share, words
+from tether.rules.task_gate import content_words, echo_share, own_words, repeated_share, words
 
 KEY = "eval/task_dropped"  # the doctor's name for the measure (computed from samples/, not a metrics.jsonl key)
 TOLERATED = 0.1  # r₀: share of the gains the signals may flag by chance

@@ -13,7 +13,7 @@ from tether.diagnostics.text import word_f1
 from tether.errors import TetherError
 from tether.ppo.forward import forward_response
 from tether.ppo.prompts import collate_fields
-from tether.rule_calls import NOT_APPLICABLE, call_rule, completion_ids, with_completion_ids
+from tether.rules.calls import NOT_APPLICABLE, call_rule, completion_ids, with_completion_ids
 from tether.ppo.sources import score_responses
 from tether.ppo.step import rollout_batch
 from tether.sharding import gathered

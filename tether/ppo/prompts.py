@@ -1,4 +1,4 @@
-"""Prompt datasets for PPO: the rows in the shapes users have (:mod:`tether.prompt_rows`, shared with SFT and
+"""Prompt datasets for PPO: the rows in the shapes users have (:mod:`tether.inputs.prompt_rows`, shared with SFT and
 ``tether sample``; importable from here as before), the held-out split by prompt (:func:`split_held_out`), and a
 resumable, seeded stream (:class:`PromptStream`).
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.prompt_rows import (  # noqa: F401 - this module's API since before the move to tether.prompt_rows
+from tether.inputs.prompt_rows import (  # noqa: F401 - this module's API since before the move to tether.inputs
     collate_fields,
     load_prompts,
     prompt_rows,

@@ -45,7 +45,7 @@ from tether.ppo.prompts import PromptStream, load_prompts, prompt_group_key, spl
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir
 from tether.precision import Precision
 from tether.presets import resolve_model_path
-from tether.rule_calls import gold_rule
+from tether.rules.calls import gold_rule
 from tether.rollout.engines import Engine, make_engine
 from tether.rollout.sampling import encode_prompts
 from tether.sharding import FsdpSettings, shard
@@ -122,7 +122,7 @@ def seed_everything(seed: int, rank: int = 0) -> None:
 
 
 def resolve_gold(spec: str, rows: list[dict], given=None):
-    """The eval/accuracy rule (:func:`tether.rule_calls.gold_rule`, shared with SFT's evaluation)."""
+    """The eval/accuracy rule (:func:`tether.rules.calls.gold_rule`, shared with SFT's evaluation)."""
     return gold_rule(spec, rows, given)
 
 
@@ -224,7 +224,7 @@ def probe_rules(sources: list, rows: list[dict]) -> None:
     that raises here is left to the step (it may just dislike empty replies; rows it fails on are dropped)."""
     from tether.ppo.prompts import collate_fields
     from tether.ppo.sources import RuleSource, call_rule
-    from tether.rule_calls import with_completion_ids
+    from tether.rules.calls import with_completion_ids
 
     prompts = [r["prompt"] for r in rows]
     for source in sources:

@@ -12,7 +12,7 @@ sources' summed scores, B4 applies to it) and the dense channel (per-step PRM re
 Rules get the prompt rows' other columns as keyword lists and, from PPO training and evaluation, the
 reserved keyword ``ended_with_eos`` (one bool per response: False when cut by max_new_tokens), so that a
 rule can refuse to credit truncated replies; rules that don't name it and take no ``**fields`` never see it.
-A rule is called through :func:`tether.rule_calls.call_rule` (a bad row costs the row, B16). Sequence scores
+A rule is called through :func:`tether.rules.calls.call_rule` (a bad row costs the row, B16). Sequence scores
 are summed, a rule counting only on the rows it judged (None: "does not apply", :func:`judged_sum`). Then:
 length penalty r' = r − α·len, missing-EOS penalty, normalisation (batch or running z-score) and clipping to
 [−c, c] (:func:`postprocess_scores`). Sources keep no state between calls.
@@ -28,8 +28,9 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
-from tether.rule_calls import EOS_FIELD, NOT_APPLICABLE, call_rule, rollout_fields, with_eos_field  # noqa: F401 - this module's API before the move
 from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
+from tether.rules.calls import (  # noqa: F401 - this module's API before the move
+    EOS_FIELD, NOT_APPLICABLE, call_rule, judged_sum, rollout_fields, with_eos_field)
 
 
 PYTHON = "python:"  # the spec of a reward given from Python as an object (tether.ppo.inputs names it)
@@ -269,21 +270,6 @@ def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos:
     if cfg.clip > 0:
         scores = scores.clamp(-cfg.clip, cfg.clip)
     return torch.where(valid, scores, 0.0)
-
-
-def judged_sum(parts: list[tuple[torch.Tensor, set[int]]], n: int, all_judged: bool = False) -> torch.Tensor:
-    """(n,) float32 Σ of the sources' (n,) scores, each counting only on the rows it judged (not in its set of
-    rows it returned None for): TRL sums reward functions with ``nansum`` so that one that does not apply to a row
-    leaves the others' score. A row that no source judged is NaN (dropped, B16) unless ``all_judged`` (a source
-    outside ``parts``, a per-step PRM, judged every row)."""
-    total = torch.zeros(n, dtype=torch.float32)
-    judged = torch.full((n,), all_judged or not parts)
-    for scores, not_applicable in parts:
-        skip = torch.zeros(n, dtype=torch.bool)
-        skip[list(not_applicable)] = True
-        total += torch.where(skip, 0.0, scores.float().cpu())
-        judged |= ~skip
-    return torch.where(judged, total, math.nan)
 
 
 def score_responses(sources: list, prompts: list[str], responses: list[str], fields: dict,

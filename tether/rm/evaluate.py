@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tether.core.stats import wilson_interval
-from tether.data import PreferencePair
+from tether.inputs.pairs import PreferencePair
 from tether.errors import TetherError
 
 

@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tether.data import read_records, record_location
+    from tether.inputs.records import read_records, record_location
     from tether.rules import load_rule
     from tether.rm.steps import label_with_rule, unescape_separator, write_step_examples
 

@@ -24,7 +24,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from tether.conversations import chat_messages, prompt_text
+from tether.inputs.conversations import chat_messages, prompt_text
 from tether.errors import TetherError
 from tether.hf import load_tokenizer, quiet_transformers
 from tether.rm.backbone import load_sequence_classifier, pad_batch, pooled_scores, pooling_of
@@ -55,7 +55,7 @@ class TextFormat:
 
     def render(self, tokenizer, prompt, reply: str) -> tuple[str, int, int]:
         """``(text, reply_start, reply_end)``: the full text and the character span of the reply in it.
-        ``prompt``: text, or chat messages (:mod:`tether.conversations`)."""
+        ``prompt``: text, or chat messages (:mod:`tether.inputs.conversations`)."""
         if self.kind == "plain":
             prompt = prompt_text(prompt)  # messages as an HH transcript
             start = len(prompt) + len(self.separator)

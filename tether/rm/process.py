@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from tether.conversations import prompt_text
+from tether.inputs.conversations import prompt_text
 from tether.core.stats import wilson_interval
 from tether.core.steps import first_error, split_steps
 from tether.errors import TetherError

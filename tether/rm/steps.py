@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from tether.core.steps import split_steps
-from tether.data import read_records, record_location
+from tether.inputs.records import read_records, record_location
 from tether.errors import DataError, TetherError
 
 # True == 1 and False == 0 as dict keys, so the numbers 1, 0 (and 1.0, 0.0) match too

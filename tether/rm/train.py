@@ -30,14 +30,14 @@ import torch
 from tether.checkpoint import atomic_dir
 from tether.callbacks import Callbacks, TrainResult
 from tether.config import check_config, config_to_dict, save_config
-from tether.conversations import prompt_key
 from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
 from tether.core.losses import bradley_terry_loss
-from tether.data import (PreferencePair, balance_by_length, balance_by_reply, load_preference_pairs,  # noqa: F401
-                         pairs_from_data, split_pairs,
-                         shuffled_batches as pair_batches)  # pair_batches: this module's API before the move
 from tether.errors import ConfigError, DataError
 from tether.hf import DTYPES
+from tether.inputs.conversations import prompt_key
+from tether.inputs.pairs import (  # noqa: F401 - PreferencePair: this module's API before the move
+    PreferencePair, balance_by_length, balance_by_reply, load_preference_pairs, pairs_from_data, split_pairs)
+from tether.inputs.splits import shuffled_batches as pair_batches  # noqa: F401 - this module's API before the move
 from tether.rm.config import RewardTrainingConfig
 from tether.rm.evaluate import evaluate_pairs, format_evaluation
 from tether.rm.resume import TrainingProgress, data_digest
@@ -47,7 +47,7 @@ def train_reward_model(cfg: RewardTrainingConfig, pairs=None, callbacks: Callbac
                        resume: bool = False):
     """Run Stage A; returns the trained :class:`~tether.rm.model.RewardModel` (also saved in
     ``cfg.output_dir``). ``pairs`` replaces ``cfg.data.files``: :class:`PreferencePair` s (e.g. the demo's
-    generated pairs), a ``datasets.Dataset`` or a list of rows (:func:`tether.data.pairs_from_data`).
+    generated pairs), a ``datasets.Dataset`` or a list of rows (:func:`tether.inputs.pairs.pairs_from_data`).
     ``resume``: continue from the newest checkpoint in ``cfg.output_dir`` (:mod:`tether.rm.resume`)."""
     from tether.presets import resolve_model_path
     from tether.rm.model import RewardModel

@@ -25,7 +25,8 @@ import torch
 from tether.callbacks import Callbacks
 from tether.config import check_config, config_to_dict
 from tether.core.steps import step_bce_loss
-from tether.data import python_records, split_pairs
+from tether.inputs.pairs import split_pairs
+from tether.inputs.records import python_records
 from tether.errors import DataError
 from tether.hf import DTYPES
 from tether.rm.config import RewardTrainingConfig

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tether.conversations import chat_messages, prompt_text
+from tether.inputs.conversations import chat_messages, prompt_text
 from tether.hf import transformers_model
 from tether.rollout.records import Rollout
 

@@ -1,6 +1,6 @@
 """Batches of SFT sequences (S1, S2): the run's steps in order, and a micro-batch as tensors — padded, or packed.
 
-**Order.** Each epoch draws its micro-batches from one seeded generator (:func:`tether.data.shuffled_batches`:
+**Order.** Each epoch draws its micro-batches from one seeded generator (:func:`tether.inputs.splits.shuffled_batches`:
 shuffled, or grouped by length). A step is ``grad_accumulation × processes`` consecutive micro-batches; process r
 takes its ``grad_accumulation`` of them, so one process with ``grad_accumulation`` G·P sees the same sequences per
 step as P processes with G. Under several processes an epoch's last, incomplete step is left out (every process
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.data import shuffled_batches
+from tether.inputs.splits import shuffled_batches
 from tether.errors import TetherError
 from tether.sft.tokens import IGNORE_INDEX, Example
 

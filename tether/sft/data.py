@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tether.conversations import check_messages
+from tether.inputs.conversations import check_messages
 from tether.errors import DataError
 
 COMPLETION_KEYS = ("completion", "response", "answer")  # the first present names the trained reply
@@ -125,7 +125,7 @@ def _rows_of(records: list[tuple[int, object]], location, stats: RowStats, skip_
 
 def load_rows(paths: list[str], skip_invalid: bool = False) -> tuple[list[SFTRow], RowStats]:
     """The rows of every file in ``paths``, in order, and what was read and skipped."""
-    from tether.data import read_records, record_location
+    from tether.inputs.records import read_records, record_location
 
     rows, stats = [], RowStats()
     for path in paths:
@@ -147,7 +147,7 @@ def rows_from_data(data, name: str, skip_invalid: bool = False) -> tuple[list[SF
     names (:func:`load_rows`)."""
     import os
 
-    from tether.data import python_records
+    from tether.inputs.records import python_records
 
     if isinstance(data, (str, os.PathLike)) or (isinstance(data, (list, tuple)) and data and
                                                 all(isinstance(d, (str, os.PathLike)) for d in data)):

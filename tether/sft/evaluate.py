@@ -1,6 +1,6 @@
 """SFT's evaluation (S3): held-out loss and perplexity, and gold accuracy of greedy answers on held-out prompts with
-the rules PPO's evaluation uses (``--gold``: :func:`tether.rule_calls.gold_rule`, called by
-:func:`tether.rule_calls.call_rule` with ``ended_with_eos``), prompted exactly as ``tether ppo`` prompts the policy
+the rules PPO's evaluation uses (``--gold``: :func:`tether.rules.calls.gold_rule`, called by
+:func:`tether.rules.calls.call_rule` with ``ended_with_eos``), prompted exactly as ``tether ppo`` prompts the policy
 (chat template, ``--system-prompt``, ``--prompt-template``: :func:`tether.rollout.sampling.encode_prompts`), so
 that a gain from SFT and one from RL are measured on one scale.
 
@@ -74,9 +74,9 @@ def held_out_loss(run, batch_size: int) -> dict:
 @torch.no_grad()
 def gold_accuracy(run, cfg) -> tuple[dict, list[dict]]:
     """Greedy answers to the first ``eval.n`` gold prompts, judged by the gold rule; ``(metrics, samples)``."""
-    from tether.prompt_rows import collate_fields
+    from tether.inputs.prompt_rows import collate_fields
     from tether.rollout.engines import TransformersEngine
-    from tether.rule_calls import call_rule, completion_ids, with_completion_ids
+    from tether.rules.calls import call_rule, completion_ids, with_completion_ids
 
     rows = run.eval_rows[:cfg.eval.n]
     if run.gold is None or not rows:

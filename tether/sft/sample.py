@@ -7,12 +7,12 @@ prompt take longer than training on the kept ones), so its output is kept, read,
 runs and seeds; it may use another engine (``--engine vllm``) and another machine than training; and the counts that
 say whether the task is in the model's reach (pass@K, kept/total) come before any training is spent.
 
-The prompts are read as ``tether ppo`` reads them (:mod:`tether.prompt_rows`: prompt, GSM8K, SVAMP, HH or message
+The prompts are read as ``tether ppo`` reads them (:mod:`tether.inputs.prompt_rows`: prompt, GSM8K, SVAMP, HH or message
 shapes, the other columns kept) and the policy is asked as ``tether ppo`` asks it (chat template, ``--system-prompt``,
 ``--prompt-template``; :func:`tether.sft.evaluate.generate_responses` over a :mod:`tether.rollout` engine), from
 exactly softmax(logits / T). Each sample gets the sum of the ``--reward`` scores, combined as PPO combines them
 (:func:`scores_of`: a rule's None leaves the sample to the others) — rules called as PPO calls them, with the row's
-columns and ``ended_with_eos`` (:func:`tether.rule_calls.call_rule`), reward models' standardised scores (several:
+columns and ``ended_with_eos`` (:func:`tether.rules.calls.call_rule`), reward models' standardised scores (several:
 their mean) — and is **accepted** when that sum is finite and ≥ ``--min-score`` and, with
 ``--require-eos`` (the default), it ended with EOS (a cut reply is no demonstration). Per prompt, the accepted
 samples (distinct texts) are kept best first: ``--keep best`` the top one (Best-of-N), ``--keep all`` up to
@@ -170,17 +170,17 @@ def reward_scorers(specs: list[str], given: dict, device) -> list:
 
 
 def _rule_scores(rule, prompts, responses, fields, ended) -> tuple[torch.Tensor, set[int]]:
-    from tether.rule_calls import call_rule
+    from tether.rules.calls import call_rule
 
     not_applicable: set[int] = set()
     return call_rule(rule, prompts, responses, fields, ended, not_applicable=not_applicable), not_applicable
 
 
 def scores_of(scorers: list, prompts: list[str], responses: list[str], fields: dict, ended) -> torch.Tensor:
-    """(B,) the samples' scores, combined as PPO combines its sources (:func:`tether.ppo.sources.judged_sum`): Σ of
+    """(B,) the samples' scores, combined as PPO combines its sources (:func:`tether.rules.calls.judged_sum`): Σ of
     the scorers' scores, each counting only on the rows it judged — a rule's None ("does not apply") leaves the row
     to the others, not a NaN that drops the sample; a row no scorer judged, or one a rule failed on, is NaN."""
-    from tether.ppo.sources import judged_sum
+    from tether.rules.calls import judged_sum
 
     return judged_sum([scorer(prompts, responses, fields, ended) for scorer in scorers], len(responses))
 
@@ -281,8 +281,8 @@ def rejection_sample(config, reward=None, prompts=None) -> SampleResult:
     from tqdm.auto import tqdm
 
     from tether.precision import Precision
-    from tether.prompt_rows import collate_fields, load_prompts, prompts_from_data
-    from tether.rule_calls import completion_ids, with_completion_ids
+    from tether.inputs.prompt_rows import collate_fields, load_prompts, prompts_from_data
+    from tether.rules.calls import completion_ids, with_completion_ids
     from tether.rollout.engines import make_engine
     from tether.sft.evaluate import Prompting, generate_responses
 

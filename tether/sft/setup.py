@@ -70,7 +70,7 @@ class SFTRun:
 
 def read_data(cfg: SFTConfig, given: Given) -> tuple[list[SFTRow], list[SFTRow], dict]:
     """Training and held-out rows (held out by prompt when there is no --eval-data), and what was read."""
-    from tether.data import split_by_prompt
+    from tether.inputs.splits import split_by_prompt
 
     rows, stats = read_rows(cfg.data.files, given.train_data, "train_data", cfg.data.skip_invalid)
     if cfg.data.max_rows:
@@ -167,8 +167,8 @@ def place_model(processes: Processes, model: nn.Module, optimizer_of) -> tuple[n
 
 def gold_setup(cfg: SFTConfig, given: Given, held_out: list[SFTRow]) -> tuple[list[dict], Callable | None]:
     """The prompts of the gold evaluation (--eval-prompts, else the held-out rows') and its rule (--gold)."""
-    from tether.prompt_rows import load_prompts, prompts_from_data
-    from tether.rule_calls import gold_rule
+    from tether.inputs.prompt_rows import load_prompts, prompts_from_data
+    from tether.rules.calls import gold_rule
 
     if given.eval_prompts is not None:
         rows = prompts_from_data(given.eval_prompts, "eval_prompts")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tether.conversations import prompt_text
+from tether.inputs.conversations import prompt_text
 from tether.errors import DataError, TetherError
 from tether.rollout.sampling import eos_ids, prompt_messages
 from tether.sft.data import SFTRow

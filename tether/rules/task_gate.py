@@ -20,9 +20,9 @@ The gate needs no task-specific code and no model; it is the product of
   min(1, words / (length_floor · reference words)).
 
 The same text features serve the doctor's per-problem shortcut detector (:mod:`tether.diagnostics.shortcut`).
-Use from the command line as ``--reward tether.task_gate:gated:check=tether.rules:math_answer,min_own=3`` (the
-checker a ``module:function`` without arguments of its own), or from Python as ``task_and_check(checker)``.
-Imports only the standard library (the checker by :func:`tether.rules.load_rule`).
+Use from the command line as ``--reward tether.rules.task_gate:gated:check=tether.rules:math_answer,min_own=3``
+(the checker a ``module:function`` without arguments of its own), or from Python as ``task_and_check(checker)``.
+Imports only the standard library (the checker by :func:`tether.rules.loading.load_rule`).
 """
 
 from __future__ import annotations
@@ -163,18 +163,19 @@ def task_and_check(check: Callable, *, min_own: int = 3, length_floor: float = 0
 
 @lru_cache(maxsize=16)
 def _loaded(spec: str) -> Callable:
-    from tether.rules import load_rule
+    from tether.rules.loading import load_rule
 
-    return load_rule(spec, flag="tether.task_gate:gated check=")
+    return load_rule(spec, flag="tether.rules.task_gate:gated check=")
 
 
 def gated(prompts=None, responses=None, check: str = "", min_own: int = 3, length_floor: float = 0.5,
           completions=None, **fields) -> list:
-    """:func:`task_and_check` for a rule spec: ``--reward tether.task_gate:gated:check=MODULE:FUNCTION[,min_own=N,
-    length_floor=F]``; the checker is loaded once. Called positionally or with TRL's ``completions=``."""
+    """:func:`task_and_check` for a rule spec:
+    ``--reward tether.rules.task_gate:gated:check=MODULE:FUNCTION[,min_own=N,length_floor=F]``; the checker is loaded
+    once. Called positionally or with TRL's ``completions=``."""
     if not check:
         from tether.errors import TetherError
 
-        raise TetherError("tether.task_gate:gated: needs check=MODULE:FUNCTION (the checker it gates)")
+        raise TetherError("tether.rules.task_gate:gated: needs check=MODULE:FUNCTION (the checker it gates)")
     return task_and_check(_loaded(str(check)), min_own=int(min_own), length_floor=float(length_floor))(
         prompts, responses, completions, **fields)

@@ -11,13 +11,13 @@ rules get each prompt as it was given (text or messages).
 
 from __future__ import annotations
 
-from tether.conversations import ASSISTANT
+from tether.inputs.conversations import ASSISTANT
 from tether.errors import DataError
 
 
 def _to_prompt(record: dict) -> dict | None:
     """Normalise one record to ``{"prompt": str, **fields}``; None when no prompt can be found."""
-    from tether.rules import gold_integer
+    from tether.rules.library import gold_integer
 
     if "prompt" in record:
         return dict(record)
@@ -41,7 +41,7 @@ def _to_prompt(record: dict) -> dict | None:
 
 def load_prompts(path: str, skip_invalid: bool = False) -> list[dict]:
     """Prompt rows of ``path`` (each ``{"prompt": str or messages, **fields}``); one-line errors name file and row."""
-    from tether.data import read_records, record_location
+    from tether.inputs.records import read_records, record_location
 
     return prompt_rows(read_records(path, skip_invalid=skip_invalid), lambda n: record_location(path, n), path,
                        skip_invalid)
@@ -49,11 +49,11 @@ def load_prompts(path: str, skip_invalid: bool = False) -> list[dict]:
 
 def prompts_from_data(data, name: str = "prompts") -> list[dict]:
     """Prompt rows handed over from Python: a ``datasets.Dataset`` or a list of rows, of prompt texts, or of
-    message lists (:func:`tether.data.python_records`); rows are named ``"NAME: row N"`` in errors. A path string
-    (or ``hf:org/name``) is read as the file it names (:func:`load_prompts`)."""
+    message lists (:func:`tether.inputs.records.python_records`); rows are named ``"NAME: row N"`` in errors. A
+    path string (or ``hf:org/name``) is read as the file it names (:func:`load_prompts`)."""
     import os
 
-    from tether.data import python_records
+    from tether.inputs.records import python_records
 
     if isinstance(data, (str, os.PathLike)):
         return load_prompts(os.fspath(data))
@@ -65,7 +65,7 @@ def prompts_from_data(data, name: str = "prompts") -> list[dict]:
 def prompt_rows(records: list[tuple[int, dict]], location, name: str, skip_invalid: bool = False) -> list[dict]:
     """Normalised prompt rows of numbered ``records``; ``location(number)`` names a row in errors. A prompt
     given as chat messages must end with the user's turn (the policy answers it)."""
-    from tether.conversations import check_messages
+    from tether.inputs.conversations import check_messages
 
     rows, skipped = [], 0
     for number, record in records:

@@ -18,7 +18,8 @@ the keywords it names. :func:`call_rule` turns what the rule returns into (B,) f
 else — a string, a list, an exception on the row — as NaN with the reason. Only what cannot be a row's fault stops
 the run, in one line naming the rule: a result that is not a list or has the wrong length, or a failure on every
 row. Used for reward rules (:mod:`tether.ppo.sources`), the gold rule of evaluation (:mod:`tether.ppo.evaluate`,
-:mod:`tether.sft.evaluate`) and rejection sampling (:mod:`tether.sft.sample`).
+:mod:`tether.sft.evaluate`) and rejection sampling (:mod:`tether.sft.sample`). Several rules' scores are summed by
+:func:`judged_sum`, each counting only on the rows it judged (PPO's reward sources and ``tether sample`` alike).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 
 from tether.errors import TetherError
-from tether.rules import load_rule
+from tether.rules.loading import load_rule
 
 EOS_FIELD = "ended_with_eos"   # reserved keyword: one bool per response, False when cut by max_new_tokens
 IDS_FIELD = "completion_ids"   # reserved keyword: one list of token ids per response (TRL's name)
@@ -227,6 +228,21 @@ def _one_row(fn, args: tuple, kwargs: dict, i: int):
     return _rule_output(fn, out, 1)[0]
 
 
+def judged_sum(parts: list[tuple[torch.Tensor, set[int]]], n: int, all_judged: bool = False) -> torch.Tensor:
+    """(n,) float32 Σ of the sources' (n,) scores, each counting only on the rows it judged (not in its set of
+    rows it returned None for): TRL sums reward functions with ``nansum`` so that one that does not apply to a row
+    leaves the others' score. A row that no source judged is NaN (dropped, B16) unless ``all_judged`` (a source
+    outside ``parts``, a per-step PRM, judged every row)."""
+    total = torch.zeros(n, dtype=torch.float32)
+    judged = torch.full((n,), all_judged or not parts)
+    for scores, not_applicable in parts:
+        skip = torch.zeros(n, dtype=torch.bool)
+        skip[list(not_applicable)] = True
+        total += torch.where(skip, 0.0, scores.float().cpu())
+        judged |= ~skip
+    return torch.where(judged, total, math.nan)
+
+
 def gold_rule(spec: str, rows: list[dict], given=None, flag: str = "--gold"):
     """The eval/accuracy rule: explicit ``module:function``, ``none``, ``auto`` (a reasoning-gym task's own check
     when the rows come from one, else the math rule when they carry an ``answer``), or ``python:NAME``: the callable
@@ -241,7 +257,7 @@ def gold_rule(spec: str, rows: list[dict], given=None, flag: str = "--gold"):
         return reasoning_gym_correct
     if spec == "auto":
         if rows and all("answer" in r for r in rows):
-            from tether.rules import math_correct
+            from tether.rules.library import math_correct
 
             return math_correct
         return None

@@ -9,8 +9,8 @@ response ends by stating it as "The answer is N" (or a last line ``#### N``). Us
 ``--reward tether.rules:math_verify_correct``); the two agree on 99.7–100% of GSM8K's and SVAMP's reference
 answers and recorded model answers, and docs/real-models.md says where they differ (math-verify reads the number
 after any "answer…", "answered 200 calls", as the reply's answer).
-``load_rule`` imports any rule named ``module:function[:key=value,...]`` (PPO reward sources, step rules); a rule
-may also be a TRL reward function ``f(completions, **kwargs)``, called as TRL calls it (:mod:`tether.rule_calls`).
+A rule named on the command line is imported by :func:`tether.rules.loading.load_rule`; a rule may also be a TRL
+reward function ``f(completions, **kwargs)``, called as TRL calls it (:mod:`tether.rules.calls`).
 
 Numbers are read as people write them: ``18``, ``-7``, ``18.00`` (== 18), ``0.5``, ``.5``, ``1,234``
 (a comma only between groups of three digits), a currency sign before or after the minus
@@ -32,18 +32,15 @@ final answer is N", or a line ``#### N``) followed by at most ``%`` or two unit 
 and N is the answer found above. The bonus does not depend on N being right.
 
 Truncated replies earn nothing. During PPO training and evaluation tether passes every rule the reserved
-keyword ``ended_with_eos`` (one bool per response; see :func:`tether.rule_calls.call_rule`); a response cut by
+keyword ``ended_with_eos`` (one bool per response; see :func:`tether.rules.calls.call_rule`); a response cut by
 ``max_new_tokens`` scores 0 here, bonus included, whatever its last number says. Called directly without
 ``ended_with_eos``, the rules treat every response as ended.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import re
 from fractions import Fraction
-from typing import Callable
 
 from tether.errors import TetherError
 
@@ -224,44 +221,3 @@ def char_share(prompts: list[str], responses: list[str], char: str = "7", **_) -
     that any policy can climb, for smoke tests and for watching PPO work."""
     char = str(char)  # `:char=7` arrives as the integer 7
     return [sum(ch == char for ch in r) / len(r) if r else 0.0 for r in responses]
-
-
-# --------------------------------------------------------------------------------- loading user rules
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def load_rule(spec: str, flag: str = "--reward") -> Callable:
-    """Import ``module:function[:key=value,...]``; one-line errors, naming ``flag``, when it cannot be found."""
-    parts = spec.split(":")
-    if len(parts) < 2 or not parts[0] or not parts[1]:
-        what = "a reward-model directory nor a rule" if flag == "--reward" else "a rule"
-        raise TetherError(f"{flag} {spec}: not {what} 'module:function'")
-    module_name, function_name = parts[0], parts[1]
-    kwargs = {}
-    for item in filter(None, ":".join(parts[2:]).split(",")):
-        if "=" not in item:
-            raise TetherError(f"{flag} {spec}: rule arguments must be key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        kwargs[key.strip()] = _parse_value(value.strip())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TetherError(f"{flag} {spec}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, function_name, None)
-    if not callable(fn):
-        raise TetherError(f"{flag} {spec}: module {module_name!r} has no function {function_name!r}")
-    if module_name == __name__ and function_name in NEEDS_PACKAGE:  # an optional package: missing is said now
-        try:
-            NEEDS_PACKAGE[function_name]()
-        except TetherError as e:
-            raise TetherError(f"{flag} {spec}: {e}") from None
-    if kwargs:  # bound by keyword: the rule keeps its own signature, so it is called its own way (tether.rule_calls)
-        fn = functools.partial(fn, **kwargs)
-        fn.__name__ = function_name
-    return fn
