@@ -299,6 +299,27 @@ def test_pairing_logic_on_given_samples(tok, monkeypatch):
     assert capped == pairs[:1]
 
 
+def test_an_empty_reply_is_not_paired_and_the_file_is_what_train_rm_reads(tok, monkeypatch, tmp_path):
+    # The policy can end at once (its first token [EOS]): the reply decodes to "". Wrong, but train-rm's reader
+    # refuses an empty side, so it is left out and counted; the written pairs.jsonl loads with no --skip-invalid.
+    from tether.demo.pairs import write_pairs
+    from tether.rm import train as rm_train  # the very reader `tether train-rm --pairs FILE` calls
+
+    e = lambda r: {"response": r, "ended_with_eos": True}  # noqa: E731
+    samples = [e("168"), e(""), e("167"), e(""),  # right, empty, wrong, empty again (one distinct empty text)
+               e("1000"), e(""), e(" "), e("1000")]  # right, and only blank wrong replies: no pair at all
+    monkeypatch.setattr(pairs_mod, "generate_answers", lambda *a, **k: samples)
+    probs = [{"prompt": "123+045=", "answer": "168"}, {"prompt": "999+001=", "answer": "1000"}]
+    pairs, stats = make_preference_pairs(None, tok, probs, samples_per_prompt=4, temperature=1.0, seed=0)
+    assert pairs == [{"prompt": "123+045=", "chosen": "168", "rejected": "167"}]
+    assert stats["skipped_empty"] == 3 and stats["skipped_same_text"] == 0  # "" once, then "" and " "
+    assert stats["prompts_with_both"] == 1 and stats["n_pairs"] == 1
+    write_pairs(tmp_path / "pairs.jsonl", pairs)
+    loaded, read = rm_train.load_preference_pairs([tmp_path / "pairs.jsonl"])
+    assert [(q.prompt, q.chosen, q.rejected) for q in loaded] == [("123+045=", "168", "167")]
+    assert read.invalid == 0 and read.pairs == 1
+
+
 def test_real_samples_pair_correct_over_wrong(tok):
     # A tiny model that has memorised four problems samples a mix of right and wrong answers at T=1.5.
     probs = make_problems(4, seed=11)

@@ -203,7 +203,7 @@ def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: 
     """Stages (a)-(d) into ``out``: tokenizer and tiny policy, SFT, preference pairs from its samples, the reward
     model; and the PPO prompt files. Called after ``torch.manual_seed(seed)`` (the demo's, and
     bench/group_baselines.py's, which reuses each seed's SFT policy and reward model across estimators)."""
-    from tether.demo.pairs import make_preference_pairs
+    from tether.demo.pairs import make_preference_pairs, write_pairs
     from tether.demo.sft import gold_accuracy, sft_to_accuracy, sft_train
     from tether.demo.task import build_policy, build_tokenizer, split_problems
 
@@ -232,9 +232,10 @@ def prepare_policy_and_rm(out: Path, settings: DemoSettings, seed: int, stages: 
         pairs, pair_stats = make_preference_pairs(policy, tokenizer, pair_problems, settings.samples_per_prompt,
                                                   temperature=1.0, seed=seed, max_pairs_per_prompt=3,
                                                   progress=False)
-        (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+        write_pairs(out / "pairs.jsonl", pairs)
         print(f"   {pair_stats['n_pairs']} pairs from {pair_stats['prompts_with_both']} prompts with both a right "
-              f"and a wrong sample (sample accuracy {100 * pair_stats['sample_accuracy']:.0f}%)")
+              f"and a wrong sample (sample accuracy {100 * pair_stats['sample_accuracy']:.0f}%; "
+              f"{pair_stats['skipped_empty']} empty replies not paired, as train-rm refuses an empty side)")
 
     with stages("d. reward model (Bradley-Terry) on the pairs"):
         # The RM's backbone is the SFT model trained further (a stronger verifier, as InstructGPT's RM
