@@ -26,7 +26,7 @@ from tether.errors import TetherError
 from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
 from tether.ppo.export import export_policy
-from tether.ppo.inputs import resolve_inputs
+from tether.ppo.inputs import detached, resolve_inputs
 from tether.ppo.resume import (check_same_config, checkpoint, checkpoint_due, from_health_book, health_book,
                                load_weights, restore, start_in_place)
 from tether.ppo.runlog import Progress, RunLog
@@ -104,8 +104,9 @@ class PPOTrainer:
         from tether.diagnostics.health import HealthMonitor
         from tether.ppo.setup import setup
 
-        cfg, reward, prompts, eval_prompts = ppo_arguments(config, args, model, reward, reward_funcs, prompts,
-                                                           train_dataset, eval_prompts, eval_dataset)  # a copy
+        cfg, reward, prompts, eval_prompts = ppo_arguments(RunConfig, detached, config, args, model, reward,
+                                                           reward_funcs, prompts, train_dataset, eval_prompts,
+                                                           eval_dataset)  # a copy
         self.given = resolve_inputs(cfg, reward, prompts, eval_prompts, gold)
         self.cfg, self.callbacks = check_config(cfg), Callbacks(callbacks)
         self.run_dir = Path(cfg.output_dir)

@@ -71,13 +71,12 @@ def _config(cls, config, args, where: str, copy=None):
     return cfg
 
 
-def ppo_arguments(config, args, model, reward, reward_funcs, prompts, train_dataset, eval_prompts, eval_dataset):
+def ppo_arguments(config_cls, detached, config, args, model, reward, reward_funcs, prompts, train_dataset,
+                  eval_prompts, eval_dataset):
     """``(config, reward, prompts, eval_prompts)`` of ``PPOTrainer`` called with tether's or TRL's (GRPOTrainer's)
-    argument names; datasets given as paths go into ``data.prompts``/``data.eval_prompts``."""
-    from tether.ppo.config import RunConfig
-    from tether.ppo.inputs import detached
-
-    cfg = _config(RunConfig, config, args, "PPOTrainer", detached)  # reward objects in it are not duplicated
+    argument names; datasets given as paths go into ``data.prompts``/``data.eval_prompts``. The stage passes its
+    config class and its copy (``detached``) in, so that this shared module imports no stage."""
+    cfg = _config(config_cls, config, args, "PPOTrainer", detached)  # reward objects in it are not duplicated
     if model_argument(cfg, "model.policy", model) is not None:
         raise ConfigError("PPOTrainer(model=...): give the policy as a directory, preset or Hub id; a model object is "
                           "not taken (the reference and the rollout engine load their own copies from it)")
@@ -87,15 +86,13 @@ def ppo_arguments(config, args, model, reward, reward_funcs, prompts, train_data
     return cfg, one_of("PPOTrainer", reward=reward, reward_funcs=reward_funcs), prompts, eval_prompts
 
 
-def sft_arguments(config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data,
+def sft_arguments(config_cls, config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data,
                   eval_dataset, eval_prompts=None):
     """``(config, model, tokenizer, train_data, eval_data, eval_prompts)`` of ``SFTTrainer`` called with tether's or
     TRL's argument names: ``model`` a name or path (``model.path``) or an object, whose tokenizer is loaded from where
     it was loaded (``model.name_or_path``) when none is given, as TRL does; datasets given as paths go into
     ``data.files``/``data.eval_files``/``eval.prompts``."""
-    from tether.sft.config import SFTConfig
-
-    cfg = _config(SFTConfig, config, args, "SFTTrainer")
+    cfg = _config(config_cls, config, args, "SFTTrainer")
     model = model_argument(cfg, "model.path", model)
     tokenizer = one_of("SFTTrainer", tokenizer=tokenizer, processing_class=processing_class)
     if model is not None and tokenizer is None and getattr(model, "name_or_path", ""):
@@ -109,11 +106,9 @@ def sft_arguments(config, args, model, tokenizer, processing_class, train_data, 
     return cfg, model, tokenizer, train, held_out, data_argument(cfg, "eval.prompts", eval_prompts)
 
 
-def reward_arguments(config, args, model, pairs, train_dataset, eval_dataset):
+def reward_arguments(config_cls, config, args, model, pairs, train_dataset, eval_dataset):
     """``(config, pairs)`` of ``RewardTrainer`` called with tether's or TRL's argument names."""
-    from tether.rm.config import RewardTrainingConfig
-
-    cfg = _config(RewardTrainingConfig, config, args, "RewardTrainer")
+    cfg = _config(config_cls, config, args, "RewardTrainer")
     if model_argument(cfg, "model", model) is not None:
         raise ConfigError("RewardTrainer(model=...): give the backbone as a directory, preset or Hub id; tether "
                           "loads it with a one-output head itself")
