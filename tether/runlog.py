@@ -19,6 +19,45 @@ from tether.config import config_to_dict, flatten, save_config
 from tether.errors import TetherError
 
 
+def progress_mode(stream, enabled: bool = True) -> str:
+    """How a run shows its steps on ``stream``: ``"bar"`` on a terminal; ``"lines"`` otherwise, one plain line a
+    step (a bar redraws itself with ``\\r``, which a CI log or a batch scheduler's file keeps as one line of
+    several KB); ``"off"`` when not ``enabled`` (``--progress false``, a process other than the main one)."""
+    if not enabled:
+        return "off"
+    return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
+
+
+class StepProgress:
+    """Per-step progress on stderr by :func:`progress_mode`: tqdm's bar on a terminal, else one line per
+    :meth:`update` (``DESC step N/TOTAL  key value ...``, no ``\\r``). Used by ``sft`` and ``train-rm``."""
+
+    def __init__(self, desc: str, total: int, initial: int = 0, enabled: bool = True, stream=None, **bar_args):
+        self.stream = stream if stream is not None else sys.stderr
+        self.desc, self.total, self.n = desc, total, initial
+        self.mode = progress_mode(self.stream, enabled)
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=desc, initial=initial, total=total, unit="step", file=self.stream, **bar_args)
+
+    def update(self, **postfix: str) -> None:
+        """One step done; ``postfix``: its figures, already formatted."""
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(**postfix, refresh=False)
+        elif self.mode == "lines":
+            figures = "".join(f"  {key} {value}" for key, value in postfix.items())
+            print(f"{self.desc} step {self.n}/{self.total}{figures}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def write_jsonl(path: Path, row: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")

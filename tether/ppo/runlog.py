@@ -12,6 +12,7 @@ from pathlib import Path
 from tether.runlog import (  # noqa: F401 - this module's API since before the move to tether.runlog
     RunLog,
     check_trackers,
+    progress_mode,
     read_jsonl_rows,
     tracker_names,
     truncate_jsonl,
@@ -141,8 +142,7 @@ class Progress:
         self.enabled = bool(run.processes.is_main)
         self.total, self.run_dir = cfg.steps, Path(cfg.output_dir)
         self.baseline: dict | None = None
-        isatty = getattr(self.stream, "isatty", lambda: False)()
-        self.mode = "off" if not (cfg.progress and self.enabled) else "bar" if isatty else "lines"
+        self.mode = progress_mode(self.stream, cfg.progress and self.enabled)
         self.bar = None
         self.last = time.monotonic()
         if self.enabled:

@@ -124,7 +124,7 @@ class RewardTrainer:
                  train_dataset=None, eval_dataset=None):
         from tether.trl_compat.arguments import reward_arguments
 
-        cfg, pairs = reward_arguments(config, args, model, pairs, train_dataset, eval_dataset)
+        cfg, pairs = reward_arguments(RewardTrainingConfig, config, args, model, pairs, train_dataset, eval_dataset)
         self.cfg = check_config(given_data(cfg, pairs))
         self.pairs, self.callbacks, self.resume = pairs, Callbacks(callbacks), resume
 
@@ -313,7 +313,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     weight (:func:`~tether.core.length.fit_length_expert`), None = plain BT; ``progress``: checkpoints,
     resume and callbacks (:class:`~tether.rm.resume.TrainingProgress`). Returns one metrics row per
     optimiser step (``step``, ``epoch``, ``rm/loss``, ``rm/accuracy``, ``rm/grad_norm``, ``rm/lr``)."""
-    from tqdm.auto import tqdm
+    from tether.runlog import StepProgress
 
     from tether.rm.backbone import pooling_of
 
@@ -324,7 +324,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     progress = progress or TrainingProgress(None, cfg)
     history = progress.restore(model, optimizer, scheduler, scaler, generator, data_digest(encoded))
     model.train()
-    bar = tqdm(total=steps, initial=len(history), desc="train-rm", unit="step", mininterval=1.0)
+    bar = StepProgress("train-rm", steps, len(history), mininterval=1.0)
     pair_tokens = [max(len(c.ids), len(r.ids)) for c, r in encoded]
     for epoch in range(progress.epoch, opt_cfg.epochs):
         epoch_generator = generator.get_state()  # a checkpoint in this epoch draws its batches again from here
@@ -344,9 +344,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
             grad_norm, lr = optimizer_step(params, optimizer, scheduler, scaler, opt_cfg.max_grad_norm)
             history.append({"step": len(history) + 1, "epoch": epoch + 1, "rm/loss": loss_sum / n_pairs,
                             "rm/accuracy": correct / n_pairs, "rm/grad_norm": float(grad_norm), "rm/lr": lr})
-            bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]['rm/loss']:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}",
-                            refresh=False)
+            bar.update(loss=f"{history[-1]['rm/loss']:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}")
             if progress.step_done(history, epoch, first + opt_cfg.grad_accumulation, epoch_generator,
                                   (model, optimizer, scheduler, scaler)):
                 break

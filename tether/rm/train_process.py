@@ -115,7 +115,7 @@ def train_steps_loop(model, encoded, labels: list[list[int]], cfg: RewardTrainin
     ``optim.grad_accumulation`` batches per optimiser step, each weighted by its share of the step's labelled
     steps (so the update is that of the mean over all of them); ``progress``: checkpoints, resume and callbacks
     (:class:`~tether.rm.resume.TrainingProgress`). Returns one metrics row per optimiser step."""
-    from tqdm.auto import tqdm
+    from tether.runlog import StepProgress
 
     o = cfg.optim
     params, optimizer, scheduler, autocast, scaler, steps = optimisation(model, cfg, len(encoded), device)
@@ -123,7 +123,7 @@ def train_steps_loop(model, encoded, labels: list[list[int]], cfg: RewardTrainin
     progress = progress or TrainingProgress(None, cfg)
     history = progress.restore(model, optimizer, scheduler, scaler, generator, data_digest([(e,) for e in encoded]))
     model.train()
-    bar = tqdm(total=steps, initial=len(history), desc="train-prm", unit="step", mininterval=1.0)
+    bar = StepProgress("train-prm", steps, len(history), mininterval=1.0)
     for epoch in range(progress.epoch, o.epochs):
         epoch_generator = generator.get_state()
         batches = pair_batches([len(e.ids) for e in encoded], o.batch_size, generator, o.group_by_length)
@@ -151,8 +151,7 @@ def train_steps_loop(model, encoded, labels: list[list[int]], cfg: RewardTrainin
             grad_norm, lr = optimizer_step(params, optimizer, scheduler, scaler, o.max_grad_norm)
             history.append({"step": len(history) + 1, "epoch": epoch + 1, "rm/loss": loss_sum,
                             "rm/accuracy": correct / max(1, n_steps), "rm/grad_norm": float(grad_norm), "rm/lr": lr})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}", refresh=False)
+            bar.update(loss=f"{loss_sum:.4f}", acc=f"{history[-1]['rm/accuracy']:.2f}")
             if progress.step_done(history, epoch, first + o.grad_accumulation, epoch_generator,
                                   (model, optimizer, scheduler, scaler)):
                 break

@@ -134,7 +134,7 @@ class SFTConfig:
                                  "repeatable or a comma list", flag="--log-with", repeat=True)
     tracker_project: str = option("tether", "project name for the trackers (TensorBoard writes DIR/PROJECT/)")
     tensorboard: bool = option(False, "the same as --log-with tensorboard")
-    progress: bool = option(True, "show a progress bar")
+    progress: bool = option(True, "per-step progress on stderr: a bar on a terminal, one plain line a step otherwise")
     collective_timeout_minutes: float = option(60.0, "how long a process waits in a collective for the others "
                                                "(several processes) before the run fails", low=0.0, low_open=True)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -26,7 +26,7 @@ from tether.callbacks import Callbacks, StepRecord, TrainResult
 from tether.checkpoint import atomic_dir, check_finite, clean_temporary
 from tether.config import check_config, config_to_dict
 from tether.errors import ConfigError, TetherError
-from tether.runlog import RunLog
+from tether.runlog import RunLog, StepProgress
 from tether.sft.config import SFTConfig
 from tether.sft.evaluate import gold_accuracy, held_out_loss
 from tether.sft.resume import (METADATA_FILE, check_same_config, checkpoint, checkpoint_due, finished_files,
@@ -83,10 +83,8 @@ class SFTTrainer:
     def __init__(self, config=None, train_data=None, eval_data=None, eval_prompts=None, model=None, tokenizer=None,
                  callbacks=(), resume: bool = False, gold=None, *, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None):
-        from tqdm.auto import tqdm
-
         cfg, model, tokenizer, train_data, eval_data, eval_prompts = sft_arguments(  # a copy of the caller's config
-            config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data, eval_dataset,
+            SFTConfig, config, args, model, tokenizer, processing_class, train_data, train_dataset, eval_data, eval_dataset,
             eval_prompts)
         given = Given(train_data, eval_data, eval_prompts, model, tokenizer, gold)
         name_given(cfg, given)
@@ -108,8 +106,8 @@ class SFTTrainer:
         self.steps_done, self.skip_streak = restore(run, self.run_dir) if resume else (0, 0)
         self.log = RunLog(self.run_dir, run.processes, cfg)
         self.log.start(cfg, self.steps_done if resume else None)
-        self.bar = tqdm(desc="sft", initial=self.steps_done, total=run.total_steps, dynamic_ncols=True,
-                        disable=not (cfg.progress and run.processes.is_main))
+        self.bar = StepProgress("sft", run.total_steps, self.steps_done, cfg.progress and run.processes.is_main,
+                                dynamic_ncols=True)
         self.last_save = time.monotonic()
         self.stopped: str | None = None  # why the run ends before its last step: a callback's reason
         self.last_row: dict = {}
@@ -146,8 +144,7 @@ class SFTTrainer:
                 raise TetherError(f"step {step}: {self.skip_streak} consecutive steps with a non-finite loss or "
                                   f"gradient (optim.max_skipped_steps); stopped. The last checkpoint is intact")
         self.steps_done, self.last_row = step, row
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{row['sft/loss']:.4f}", lr=f"{row['sft/lr']:.3g}")
+        self.bar.update(loss=f"{row['sft/loss']:.4f}", lr=f"{row['sft/lr']:.3g}")
         stop = run.processes.broadcast(self.callbacks.stop_reason)
         last = step == run.total_steps  # the policy is written next: a checkpoint would have nothing to resume
         if not last and (checkpoint_due(run, cfg, step, self.last_save) or stop):
