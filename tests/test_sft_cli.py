@@ -102,8 +102,9 @@ def test_the_sft_output_is_the_policy_of_train_rm_and_ppo(files, tmp_path):
     assert main(["ppo", "--policy", str(sft), "--prompts", str(prompts), "--reward", str(rm), "--output-dir",
                  str(ppo), "--steps", "1", "--batch-size", "4", "--mini-batches", "2", "--max-new-tokens", "4",
                  "--progress", "false"]) == 0
-    row = json.loads((ppo / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["step"] == 1 and row["objective/kl"] == 0.0  # the reference is the SFT policy itself
+    rows = [json.loads(line) for line in (ppo / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]  # the default held-out evaluation at the start, then the step
+    assert rows[1]["objective/kl"] == 0.0  # the reference is the SFT policy itself
     assert Path(ppo / "policy" / "model.safetensors").is_file()
 
 
