@@ -69,7 +69,7 @@ def ppo_args(files, out: Path, batch_size: int, dtype: str, *extra: str) -> list
             "--reward-normalize", "running", "--optim-schedule", "linear",
             "--output-dir", str(out), "--steps", str(STEPS), "--save-every", str(SAVED_AT),
             "--batch-size", str(batch_size), "--mini-batches", "2", "--ppo-epochs", "1", "--max-new-tokens", "6",
-            "--lr", "1e-3", "--critic-lr", "1e-3", "--progress", "false", *extra]
+            "--lr", "1e-3", "--critic-lr", "1e-3", "--progress", "false", "--eval-every", "0", *extra]
 
 
 def rows(run: Path) -> list[dict]:

@@ -45,7 +45,8 @@ def ppo_args(files, out: Path, *extra: str, steps: int = STEPS) -> list[str]:
     return ["-m", "tether", "ppo", "--policy", str(policy), "--prompts", str(prompts),
             "--reward", "tether.rules:char_share:char=7", "--gold", "none", "--system-prompt", SYSTEM,
             "--output-dir", str(out), "--steps", str(steps), "--batch-size", "4", "--mini-batches", "2",
-            "--ppo-epochs", "1", "--max-new-tokens", "6", "--lr", "3e-3", "--progress", "false", *extra]
+            "--ppo-epochs", "1", "--max-new-tokens", "6", "--lr", "3e-3", "--progress", "false", "--eval-every", "0",
+            *extra]
 
 
 def rows(run: Path) -> list[dict]:
