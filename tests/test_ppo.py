@@ -268,8 +268,8 @@ def test_eval_at_start_is_the_untrained_policy_evaluated(files, tmp_path):
     run = train(cfg)
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1]
-    assert set(rows[0]) == {"step", "eval/reward", "eval/n", "eval/kl_sequence", "eval/distinct_responses",
-                            "eval/response_length"}  # _rows leaves perf/ out
+    assert set(rows[0]) == {"step", "eval/reward", "eval/reward_std", "eval/n", "eval/kl_sequence",
+                            "eval/distinct_responses", "eval/response_length"}  # _rows leaves perf/ out
     assert rows[0]["eval/kl_sequence"] == 0.0  # nothing trained yet: policy == reference
     fresh, samples = evaluate(setup(cfg), cfg, 0)  # the same initial policy, evaluated on its own
     assert rows[0]["eval/reward"] == pytest.approx(fresh["eval/reward"], abs=1e-6)
