@@ -127,7 +127,7 @@ def test_async_rollout_is_one_step_off_and_resumes_exactly(tmp_path):
             "tether.rules:char_share:char=7", "--gold", "none", "--batch-size", "4", "--mini-batches", "2",
             "--ppo-epochs", "2", "--max-new-tokens", "6", "--lr", "3e-3", "--progress", "false",
             "--rollout-processes", "1", "--async-rollout", "1", "--rollout-correction", "tis",
-            "--save-every-minutes", "0"]
+            "--save-every-minutes", "0", "--eval-every", "0"]
 
     def launch(out, *extra):
         accelerate_launch([*base, "--output-dir", str(out), *extra], tmp_path / f"logs-{out.name}-{len(extra)}",

@@ -34,15 +34,22 @@ class GivenInputs:
 
 
 def importable_spec(fn) -> str | None:
-    """``module:function`` when ``fn`` is that module's top-level function of that name, else None."""
+    """``module:function`` when ``fn`` is that module's top-level function of that name, else None. The shortest
+    package on the module's path that exports the same object names it (``tether.rules:char_share``, not
+    ``tether.rules.library:char_share``): the public spec stays valid when a package moves its insides."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or not name.isidentifier():
         return None
-    try:
-        found = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    return f"{module}:{name}" if found is fn else None
+    parts = module.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        try:
+            found = getattr(importlib.import_module(prefix), name, None)
+        except ImportError:
+            continue
+        if found is fn:
+            return f"{prefix}:{name}"
+    return None
 
 
 def object_name(obj) -> str:
