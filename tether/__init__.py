@@ -1,10 +1,10 @@
 """tether: classic RLHF — Bradley–Terry reward models and PPO with a per-token KL tether.
 
 ``import tether`` is light: it loads the math (torch only). ``RewardModel``, the trainers
-(``SFTTrainer``, ``RewardTrainer``, ``PPOTrainer``), their configs and callbacks, ``diagnose`` and ``report`` are
-resolved lazily on first access. TRL's names for the configs are there too: ``PPOConfig`` is ``RunConfig`` (the PPO
+(``SFTTrainer``, ``RewardTrainer``, ``DPOTrainer``, ``PPOTrainer``), their configs and callbacks, ``diagnose`` and
+``report`` are resolved lazily on first access. TRL's names for the configs are there too: ``PPOConfig`` is ``RunConfig`` (the PPO
 run's config; ``tether.ppo.config.PPOConfig`` is its ``ppo`` section), ``RewardConfig`` is ``RewardTrainingConfig``
-(``tether.ppo.config.RewardConfig`` is a PPO run's ``reward`` section), ``SFTConfig`` the same name.
+(``tether.ppo.config.RewardConfig`` is a PPO run's ``reward`` section), ``SFTConfig`` and ``DPOConfig`` the same names.
 """
 
 from tether.core.advantages import gae, masked_mean, shaped_rewards, whiten
@@ -23,9 +23,13 @@ _LAZY = {
     "PPOTrainer": "tether.ppo.train",
     "SFTTrainer": "tether.sft.train",
     "SFTConfig": "tether.sft.config",
+    "DPOTrainer": "tether.dpo.train",
+    "DPOConfig": "tether.dpo.config",
     "RunConfig": "tether.ppo.config",
     "PPOConfig": "tether.ppo.config:RunConfig",            # TRL's name of the run's config
     "RewardConfig": "tether.rm.config:RewardTrainingConfig",  # TRL's name of the reward trainer's config
+    "RLHFPipeline": "tether.pipeline.run",
+    "RLHFConfig": "tether.pipeline.config",
     "diagnose": "tether.diagnostics.doctor:diagnose_run",   # tether.diagnose(run_dir): what `tether doctor` reads
     "Callback": "tether.callbacks",
     "StopTraining": "tether.callbacks",

@@ -1,4 +1,4 @@
-"""The ``tether`` command: demo, sft, sample, train-rm, label-steps, ppo, plan, doctor, report.
+"""The ``tether`` command: demo, rlhf, sft, sample, train-rm, dpo, label-steps, ppo, plan, doctor, report.
 
 Each subcommand lives in its own module, imported only when used, exposing
 ``add_arguments(parser)`` and ``run(args) -> int``. Bad input (a :class:`~tether.errors.TetherError`)
@@ -17,10 +17,14 @@ from tether.errors import TetherError
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": ("tether.demo.pipeline", "run the built-in task end to end: SFT -> reward model -> PPO (beta > 0 and beta = 0)"),
+    "rlhf": ("tether.pipeline.cli", "the classic pipeline in one command: pairs from the policy's samples -> reward "
+             "model -> PPO (beta > 0, beta = 0, refresh rounds, control, DPO) -> paired report"),
     "sft": ("tether.sft.cli", "supervised fine-tuning: the policy (and reference) for train-rm and ppo"),
     "sample": ("tether.sft.sample_cli", "K samples per prompt from a policy, kept when a rule or reward model "
                "accepts them: SFT rows (rejection sampling, Best-of-N)"),
     "train-rm": ("tether.rm.cli", "train a Bradley-Terry reward model from preference pairs"),
+    "dpo": ("tether.dpo.cli", "direct preference optimisation: the policy trained on preference pairs, no reward "
+            "model"),
     "label-steps": ("tether.rm.label_cli", "label every step of (prompt, response) rows with a step rule, for "
                     "train-rm --process"),
     "ppo": ("tether.ppo.cli", "optimise a policy against rewards with PPO and a KL tether"),

@@ -116,3 +116,18 @@ def reward_arguments(config_cls, config, args, model, pairs, train_dataset, eval
         raise ConfigError("RewardTrainer(eval_dataset=...): tether holds out data.eval_fraction of the pairs itself, "
                           "by prompt (no prompt on both sides); give every pair as train_dataset")
     return cfg, data_argument(cfg, "data.files", one_of("RewardTrainer", pairs=pairs, train_dataset=train_dataset))
+
+
+def dpo_arguments(config_cls, config, args, model, ref_model, pairs, train_dataset, eval_dataset):
+    """``(config, pairs)`` of ``DPOTrainer`` called with tether's or TRL's argument names."""
+    cfg = _config(config_cls, config, args, "DPOTrainer")
+    if model_argument(cfg, "model.path", model) is not None:
+        raise ConfigError("DPOTrainer(model=...): give the policy as a directory, preset or Hub id; tether loads it "
+                          "(and its reference) itself")
+    if ref_model is not None:
+        raise ConfigError("DPOTrainer(ref_model=...): the reference is the starting policy (its log-probs computed "
+                          "once, or the LoRA adapter turned off); leave ref_model out")
+    if eval_dataset is not None:
+        raise ConfigError("DPOTrainer(eval_dataset=...): tether holds out data.eval_fraction of the pairs itself, "
+                          "by prompt (no prompt on both sides); give every pair as train_dataset")
+    return cfg, data_argument(cfg, "data.files", one_of("DPOTrainer", pairs=pairs, train_dataset=train_dataset))
