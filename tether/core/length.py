@@ -1,5 +1,6 @@
-"""Length control for reward models (the "longer wins" trap, reference 000 §D): a correlation penalty
-and a one-parameter length expert in a product of experts (Shen et al. 2023). Pure functions on tensors.
+"""Length control: for reward models (the "longer wins" trap, reference 000 §D), a correlation penalty and a
+one-parameter length expert in a product of experts (Shen et al. 2023); for PPO's sequence scores (B4), DAPO's soft
+overlong punishment. Pure functions on tensors.
 """
 
 from __future__ import annotations
@@ -42,3 +43,25 @@ def length_expert_logit(weight: float, reply_tokens_chosen: torch.Tensor,
     preference is carried by w, so the reward model learns the residual, and scoring with r alone is the
     length-controlled preference."""
     return weight * log_length_ratio(reply_tokens_chosen, reply_tokens_rejected)
+
+
+def soft_overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0
+                          ) -> torch.Tensor:
+    """B4-overlong, DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by ``factor`` (veRL's
+    ``overlong_buffer.penalty_factor``): with L_max = ``max_new_tokens``, L_cache = ``buffer`` and |y| = ``lengths``
+    (B,) response tokens (EOS included),
+
+        R_length(y) = 0                                  |y| <= L_max - L_cache
+                    = (L_max - L_cache - |y|) / L_cache  L_max - L_cache < |y| <= L_max
+                    = -1                                 L_max < |y|
+
+    returns factor * R_length (B,) float32, in [-factor, 0], added to the sequence score. A linear ramp from 0 to -1
+    over the last L_cache tokens of the budget, so a reply is told it is getting long before it is cut (a cut reply
+    gets -1 at |y| = L_max; it can be no longer). TRL's ``get_soft_overlong_punishment`` and veRL's DAPO reward manager
+    give the same values (veRL's ramp is not capped at -1 beyond L_max: no sampled reply is longer than L_max).
+    ``buffer`` = 0: all zeros (off)."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    start = max_new_tokens - buffer
+    ramp = (start - lengths.float()) / buffer  # > 0 before the buffer, -1 at L_max
+    return factor * torch.where(lengths > max_new_tokens, -1.0, ramp.clamp(max=0.0))

@@ -116,6 +116,11 @@ class RewardConfig:
                                    flag="--length-penalty")
     missing_eos_penalty: float = option(0.0, "subtracted from the score of responses with no EOS", low=0.0,
                                         flag="--missing-eos-penalty")
+    overlong_buffer: int = option(0, "N, DAPO's soft overlong punishment: a reply of |y| > max_new_tokens - N tokens "
+                                  "loses factor * (|y| - (max_new_tokens - N)) / N from its score, the factor at the "
+                                  "cap; tokens, 0 = off", low=0, flag="--overlong-buffer")
+    overlong_penalty_factor: float = option(1.0, "the soft overlong punishment at --max-new-tokens (veRL's "
+                                            "penalty_factor)", low=0.0, flag="--overlong-penalty-factor")
     normalize: str = option("none", "score normalisation (reward models are already standardised)",
                             choices=("none", "batch", "running"))
     clip: float = option(5.0, "scores clipped to [-clip, clip]; 0 = off", low=0.0)

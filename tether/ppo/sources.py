@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from tether.core.length import soft_overlong_penalty
 from tether.errors import TetherError
 from tether.rules import load_rule  # noqa: F401 - part of this module's API (tether.ppo.setup uses it)
 from tether.rules.calls import (  # noqa: F401 - this module's API before the move
@@ -249,8 +250,10 @@ class RunningMoments:
 
 def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos: torch.Tensor, cfg,
                        running: RunningMoments | None = None, valid: torch.Tensor | None = None,
-                       gather=None) -> torch.Tensor:
-    """B4 on (B,) raw scores: r − α·len − p·[no EOS], then z-score (batch or running), then clip to ±c.
+                       gather=None, max_new_tokens: int = 0) -> torch.Tensor:
+    """B4 on (B,) raw scores: r − α·len − p·[no EOS] + B4-overlong (DAPO's soft overlong punishment with
+    L_max = ``max_new_tokens``, L_cache = ``cfg.overlong_buffer``: :func:`~tether.core.length.soft_overlong_penalty`),
+    then z-score (batch or running), then clip to ±c.
 
     ``cfg`` is a ``RewardConfig``; ``lengths`` (B,) response tokens; ``ended_with_eos`` (B,) bool;
     ``valid`` (B,) bool: rows dropped from the update (B16) are left out of the normalisation statistics
@@ -259,6 +262,11 @@ def postprocess_scores(raw: torch.Tensor, lengths: torch.Tensor, ended_with_eos:
     valid = torch.ones_like(raw, dtype=torch.bool) if valid is None else valid
     scores = raw - cfg.length_penalty * lengths.float()
     scores = scores - cfg.missing_eos_penalty * (~ended_with_eos).float()
+    if cfg.overlong_buffer:
+        if max_new_tokens < cfg.overlong_buffer:  # a caller that forgot L_max: every reply would read as overlong
+            raise ValueError(f"overlong_buffer {cfg.overlong_buffer} needs max_new_tokens >= it, got {max_new_tokens}")
+        scores = scores + soft_overlong_penalty(lengths, max_new_tokens, cfg.overlong_buffer,
+                                                cfg.overlong_penalty_factor).to(scores.device)
     gather = gather or (lambda x: x)
     # A dropped row may hold NaN: zero it before it travels, then keep only the valid rows of all processes.
     kept = gather(torch.where(valid, scores, 0.0))[gather(valid.to(torch.uint8)).bool()]
