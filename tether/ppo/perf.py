@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tether import watchdog
 from tether.core.flops import FlopShape, forward_flops, generation_flops, train_flops
 
 EMBEDDING_NAMES = ("wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings", "position_embeddings")
@@ -123,19 +124,26 @@ def padding_fraction(query_mask: torch.Tensor, response_mask: torch.Tensor) -> f
 class PhaseTimer:
     """Wall seconds per phase of one step (C2). ``with timer(phase):`` times a block; ``timer.split(part)``
     inside a block charges the seconds since the block began (or the previous split) to ``part``, and a
-    block with splits is charged only to its parts (the time after the last split goes to that part)."""
+    block with splits is charged only to its parts (the time after the last split goes to that part).
+    Each block, and each part of one, is also the process's phase for the hang watchdog (:mod:`tether.watchdog`):
+    ``PHASE`` inside the block, ``PHASE (after PART)`` after a split, ``after PHASE`` once it is left."""
 
     seconds: dict = field(default_factory=dict)
     _mark: float = 0.0
     _last: str = ""
+    _block: str = ""
 
     @contextmanager
     def __call__(self, phase: str):
-        self._mark, self._last = time.perf_counter(), phase
+        self._mark, self._last, self._block = time.perf_counter(), phase, phase
+        watchdog.mark(phase)
         yield
         self.split(self._last)
+        watchdog.mark(f"after {phase}")
 
     def split(self, part: str) -> None:
         now = time.perf_counter()
         self.seconds[part] = self.seconds.get(part, 0.0) + now - self._mark
         self._mark, self._last = now, part
+        if part != self._block:
+            watchdog.mark(f"{self._block} (after {part})")
