@@ -63,7 +63,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
         chosen_rewards = beta * (chosen_logps - ref_chosen_logps)
         rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
         stats = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-                 "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                 "rewards/accuracies": (chosen_rewards > rejected_rewards).to(h.dtype).mean(),
                  "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
                  "logps/chosen": chosen_logps.mean(), "logps/rejected": rejected_logps.mean()}
     return losses.mean(), {k: v.detach() for k, v in stats.items()}
