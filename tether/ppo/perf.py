@@ -138,12 +138,14 @@ class PhaseTimer:
         self._mark, self._last, self._block = time.perf_counter(), phase, phase
         watchdog.mark(phase)
         yield
-        self.split(self._last)
+        self._charge(self._last)
         watchdog.mark(f"after {phase}")
 
     def split(self, part: str) -> None:
+        self._charge(part)
+        watchdog.mark(f"{self._block} (after {part})")
+
+    def _charge(self, part: str) -> None:
         now = time.perf_counter()
         self.seconds[part] = self.seconds.get(part, 0.0) + now - self._mark
         self._mark, self._last = now, part
-        if part != self._block:
-            watchdog.mark(f"{self._block} (after {part})")
