@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tether"
 SHARED = {"cli", "config", "presets", "checkpoint", "errors", "hf", "callbacks", "precision", "sharding", "tasks",
           "processes", "runlog", "export", "inputs", "rules", "hub", "cli_flags", "trl_compat"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
-RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "top": 6}
+RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "dpo": 5, "top": 6}
 
 
 def room_of(module: str) -> str:

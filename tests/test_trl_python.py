@@ -34,7 +34,10 @@ def test_trl_config_names_are_accepted_or_answered_with_the_tether_key():
     with pytest.raises(ConfigError, match=r"^RunConfig\(per_device_train_batch_size=\.\.\.\): unknown key "
                                           r"'per_device_train_batch_size' \(TRL's name\); in tether: `batch_size` "):
         tether.RunConfig(per_device_train_batch_size=8)
-    for cls in (tether.RunConfig, tether.SFTConfig, tether.RewardTrainingConfig):  # the table names real keys
+    dpo = tether.DPOConfig(beta=0.5, loss_type="ipo", per_device_train_batch_size=4, precompute_ref_log_probs=False)
+    assert (dpo.loss.beta, dpo.loss.loss_type, dpo.optim.batch_size, dpo.precompute_ref_log_probs) == (0.5, "ipo", 4,
+                                                                                                       False)
+    for cls in (tether.RunConfig, tether.SFTConfig, tether.RewardTrainingConfig, tether.DPOConfig):  # real keys
         assert set(TRL_KEYS[cls.__name__].values()) <= set(config_keys(cls))
 
 
@@ -175,7 +178,7 @@ def test_the_coming_from_trl_tables_are_the_codes_table():
     page = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-trl.md").read_text(encoding="utf-8")
     row = re.compile(r"^\| `(\w+)` \| `([\w.]+)` \| `(--[\w-]+)` \|$", re.M)
     for lead, cls in (("PPO and GRPO (", tether.RunConfig), ("SFT (", tether.SFTConfig),
-                      ("Reward model (", tether.RewardTrainingConfig)):
+                      ("Reward model (", tether.RewardTrainingConfig), ("DPO (", tether.DPOConfig)):
         table = page.split("\n" + lead, 1)[1].split("\n\n", 2)[1]  # the table after the lead-in line
         rows = row.findall(table)
         assert {(trl, key) for trl, key, _ in rows} == set(TRL_KEYS[cls.__name__].items()), lead

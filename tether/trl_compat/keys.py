@@ -1,7 +1,7 @@
 """TRL's config key names in tether's terms — the one table — and the one-line answer to any unknown key.
 
  :data:`TRL_KEYS` maps, per tether config, the flat names of TRL's ``GRPOConfig``/``PPOConfig``,
-``SFTConfig`` and ``RewardConfig`` (and of ``transformers.TrainingArguments``) to tether's dotted keys where the two
+``SFTConfig``, ``RewardConfig`` and ``DPOConfig`` (and of ``transformers.TrainingArguments``) to tether's dotted keys where the two
 mean the same thing (``learning_rate`` -> ``optim.lr``, ``beta`` -> ``kl.coef``); such a key is accepted wherever a
 config key is — a dict or YAML file given to a trainer, or a config's constructor (``RunConfig(learning_rate=1e-5)``).
 :data:`TRL_HINTS` answers the TRL names with no exact equivalent with what to set instead, and any other unknown
@@ -52,6 +52,16 @@ TRL_KEYS: dict[str, dict[str, str]] = {
                              "warmup_ratio": "optim.warmup_ratio", "max_length": "data.max_length",
                              "group_by_length": "optim.group_by_length", "model_name_or_path": "model",
                              "per_device_eval_batch_size": "eval_batch_size"},
+    "DPOConfig": {"learning_rate": "optim.lr", "weight_decay": "optim.weight_decay", "adam_epsilon": "optim.adam_eps",
+                  "max_grad_norm": "optim.max_grad_norm", "save_steps": "save_every",
+                  "num_train_epochs": "optim.epochs", "per_device_train_batch_size": "optim.batch_size",
+                  "gradient_accumulation_steps": "optim.grad_accumulation", "warmup_ratio": "optim.warmup_ratio",
+                  "lr_scheduler_type": "optim.schedule", "max_length": "data.max_length",
+                  "padding_free": "data.packing", "model_name_or_path": "model.path",
+                  "per_device_eval_batch_size": "eval_batch_size", "eval_steps": "eval_every",
+                  "gradient_checkpointing": "model.gradient_checkpointing", "disable_dropout": "model.disable_dropout",
+                  "beta": "loss.beta", "loss_type": "loss.loss_type", "label_smoothing": "loss.label_smoothing",
+                  "precompute_ref_log_probs": "precompute_ref_log_probs"},
 }
 
 # TRL names without an exact tether key: what to set instead.
