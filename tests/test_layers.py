@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tether"
 SHARED = {"cli", "config", "presets", "checkpoint", "errors", "hf", "callbacks", "precision", "sharding", "tasks",
           "processes", "runlog", "export", "inputs", "rules", "hub", "cli_flags", "trl_compat"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
-RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "dpo": 5, "top": 6}
+RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "dpo": 5, "pipeline": 6, "top": 7}
 
 
 def room_of(module: str) -> str:
@@ -71,6 +71,6 @@ def test_no_module_imports_a_room_above_or_beside_its_own(name, path):
 
 
 def test_every_room_says_what_it_may_import():
-    for folder in ("core", "rm", "rollout", "ppo", "sft", "diagnostics", "demo", "inputs", "rules"):
+    for folder in ("core", "rm", "rollout", "ppo", "sft", "diagnostics", "demo", "inputs", "rules", "pipeline"):
         doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text(encoding="utf-8"))) or ""
         assert "May import" in doc, folder

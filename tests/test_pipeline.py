@@ -1,0 +1,196 @@
+"""`tether rlhf` on a tiny policy: every stage, one refresh round, the control arm (and the DPO arm where this
+tether has `tether dpo`), killed between two stages and inside a PPO arm, then resumed; bad tasks as one-line errors.
+
+The gold rule is tests/pipeline_rules.py's ``has_one``: a random tiny policy's replies pass it about a quarter of
+the time, so its own samples give pairs (it never adds two numbers)."""
+
+import json
+import math
+
+import pytest
+
+from tether.cli import main
+from tether.pipeline.dpo_arm import dpo_available
+from tether.pipeline.run import MARKER, RLHFPipeline
+from tiny import make_policy_dir, make_prompts_file
+
+ARM = "ppo_beta0.04_r0"  # the tethered arm of round 0: the one killed inside
+EARLY = ("task", "pairs_r0", "rm_r0")  # the stages complete before the kill between stages
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAtStep:
+    """A PPO callback that kills the run at ``step`` (the step before it was checkpointed: ``ppo.save_every`` 1)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, record):
+        if record.step == self.step:
+            raise Killed(f"killed at step {record.step}")
+
+
+def config(root, policy, prompts, **over) -> dict:
+    (root / "sample.yaml").write_text("accept:\n  require_eos: false\n")  # 6-token random replies rarely end
+    cfg = {"output_dir": str(root / "out"), "estimate": False,
+           "model": {"policy": str(policy)},
+           "task": {"prompts": str(prompts), "gold": "pipeline_rules:has_one", "max_new_tokens": 6, "temperature": 1.0},
+           "pairs": {"samples_per_prompt": 4, "batch_size": 16, "length_gap": 0, "config": str(root / "sample.yaml")},
+           "rm": {"epochs": 1, "batch_size": 8},
+           "ppo": {"steps": 2, "batch_size": 4, "samples_per_prompt": 4, "eval_every": 1, "eval_n": 10,
+                   "control": True, "save_every": 1},
+           "refresh": {"rounds": 1}, "dpo": {"run": dpo_available()}}
+    for key, value in over.items():
+        section, _, leaf = key.partition("__")
+        cfg[section] = {**cfg[section], leaf: value} if leaf else value
+    return cfg
+
+
+def markers(out) -> dict:
+    return {name: ((out / name / MARKER).stat().st_mtime_ns, (out / name / MARKER).read_text()) for name in EARLY}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three invocations on one folder: killed after rm_r0; killed inside the first PPO arm; then to the end."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("rlhf")
+    cfg = config(root, make_policy_dir(root), make_prompts_file(root, n=30))
+    out, printed = root / "out", []
+
+    def stop_after(name):
+        if name == "rm_r0":
+            raise Killed("killed after rm_r0")
+
+    for kwargs, first in (({"after_stage": stop_after}, True), ({"callbacks": [KillAtStep(2)]}, False), ({}, False)):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            try:
+                results = RLHFPipeline({**cfg, "estimate": first}, **kwargs).run()
+            except Killed:
+                results = None
+        done = sorted(d.name for d in out.iterdir() if (d / MARKER).is_file())
+        printed.append((buffer.getvalue(), markers(out) if (out / "rm_r0" / MARKER).exists() else None, done))
+    return out, printed, results
+
+
+def test_every_stage_arm_and_round(runs):
+    out, _, results = runs
+    assert results is not None
+    arms = {"beta0.04": {"0", "1"}, "beta0": {"0"}, "control": {"0"}, **({"dpo": {"0"}} if dpo_available() else {})}
+    assert {arm: set(rounds) for arm, rounds in results["arms"].items()} == arms
+    assert set(results["pairs"]) == {"pairs_r0", "pairs_r1"} and set(results["reward_models"]) == {"rm_r0", "rm_r1"}
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["arms"].keys() == results["arms"].keys()
+    # the refresh round: pairs from the tethered arm's policy, a reward model on both rounds' pairs, PPO from it
+    assert results["pairs"]["pairs_r1"]["policy"] == str(out / ARM / "policy")
+    assert results["reward_models"]["rm_r1"]["pairs_files"] == [str(out / f"pairs_r{r}" / "pairs.jsonl")
+                                                                for r in (0, 1)]
+    saved = {name: (out / name / "config.yaml").read_text() for name in ("ppo_beta0.04_r1", "ppo_beta0_r0",
+                                                                          "ppo_control_r0")}
+    assert f"policy: {out / ARM / 'policy'}" in saved["ppo_beta0.04_r1"] and "rm_r1" in saved["ppo_beta0.04_r1"]
+    assert "coef: 0.0\n" in saved["ppo_beta0_r0"] and "shuffle: true" in saved["ppo_control_r0"]
+    # the pairs are the policy's own replies labelled by the gold rule: right ≻ wrong
+    pairs = [json.loads(x) for x in (out / "pairs_r0" / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and all("1" in p["chosen"] and "1" not in p["rejected"] for p in pairs)
+    rm = results["reward_models"]["rm_r0"]
+    assert rm["held_out"]["n_pairs"] > 0 and 0.0 <= rm["probe"]["mean_auc"] <= 1.0
+    for arm, rounds in results["arms"].items():
+        for r, rr in rounds.items():
+            if arm != "dpo":
+                assert [e["step"] for e in rr["evals"]] == [2 * int(r) + k for k in (0, 1, 2)]
+                assert rr["s_per_step"] > 0 and rr["doctor"]["level"] in ("HEALTHY", "WARNING", "UNHEALTHY")
+            for e in rr["evals"]:
+                assert e["p_vs_step0"] == pytest.approx(exact_mcnemar(e["gained"], e["lost"]))
+    report = (out / "report.md").read_text()
+    assert all(f"| {arm} | " in report for arm in arms) and "Wilson" in report
+
+
+def exact_mcnemar(b: int, c: int) -> float:
+    """Two-sided exact McNemar by the binomial sum, written out: 2 · P(X ≤ min(b, c)), X ~ Bin(b + c, ½), at most 1."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n)
+
+
+def test_held_out_results_are_the_arms_own_evaluations(runs):
+    """The table's step-k accuracy and gains are those of the arm's metrics.jsonl against the step-0 row."""
+    out, _, results = runs
+    rows = [json.loads(x) for x in (out / "ppo_beta0_r0" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/correct" in r]
+    base = evals[0]["eval/correct"]
+    for row, point in zip(evals, results["arms"]["beta0"]["0"]["evals"]):
+        c = row["eval/correct"]
+        assert point["accuracy"] == pytest.approx(c.count("1") / len(c))
+        assert point["gained"] == sum(a > b for a, b in zip(c, base))
+        assert point["lost"] == sum(a < b for a, b in zip(c, base))
+
+
+def test_a_kill_between_stages_resumes_at_the_next_stage(runs):
+    out, printed, _ = runs
+    (first, after_first, done_first), (second, after_second, done_second), (third, after_third, _) = printed
+    assert "expected time on this machine" in first and "pairs_r0" in first  # the plan, priced, before it starts
+    assert done_first == sorted(EARLY)  # stopped right after rm_r0: no PPO arm complete
+    assert done_second == sorted(EARLY)  # killed inside the first PPO arm: nothing more complete
+    for text in (second, third):
+        for name in EARLY:
+            assert f"== {name}: skipped" in text
+    assert after_first == after_second == after_third  # the earlier stages' markers untouched (time and content)
+
+
+def test_a_kill_inside_ppo_resumes_from_its_checkpoint(runs):
+    out, printed, _ = runs
+    assert "resuming" not in printed[1][0].split(f"== {ARM}:")[1].split("\n")[0]
+    line = printed[2][0].split(f"== {ARM}:")[1].split("\n")[0]
+    assert "resuming from" in line and "checkpoints" in line
+    rows = [json.loads(x) for x in (out / ARM / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "objective/kl" in r] == [1, 2]  # step 2 once: redone after the kill
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--task", "rg:no_such_dataset"], "rg:no_such_dataset"),
+    (["--task", "missing.jsonl", "--gold", "pipeline_rules:has_one"], "missing.jsonl"),
+    (["--task", "PROMPTS"], "--gold: required"),
+    (["--task", "PROMPTS", "--gold", "pipeline_rules:no_such_rule"], "--gold"),
+    (["--task", "rg:chain_sum:no_such_knob=3"], "no_such_knob"),
+])
+def test_a_bad_task_is_one_line(tmp_path, capsys, args, says):
+    prompts = make_prompts_file(tmp_path, n=4)
+    args = [str(prompts) if a == "PROMPTS" else a for a in args]
+    assert main(["rlhf", "--policy", str(tmp_path / "policy"), "--output-dir", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tether rlhf: error:") and "\n" not in err and says in err
+    assert not (tmp_path / "out").exists()  # nothing written before the inputs are good
+
+
+def test_yaml_then_flags(tmp_path):
+    from tether.cli import build_parser, parse
+    from tether.config import resolve_config
+    from tether.pipeline.config import RLHFConfig
+
+    path = tmp_path / "rlhf.yaml"
+    path.write_text("ppo:\n  steps: 5\n  kl_coef: 0.1\nrefresh:\n  rounds: 2\n")
+    args = parse(build_parser("rlhf"), ["rlhf", "--config", str(path), "--steps", "3", "--policy", "p",
+                                        "--task", "rg:chain_sum"])
+    cfg = resolve_config(RLHFConfig, args, args.config)
+    assert (cfg.ppo.steps, cfg.ppo.kl_coef, cfg.refresh.rounds, cfg.task.prompts) == (3, 0.1, 2, "rg:chain_sum")
+
+
+def test_pairwise_auc_by_hand():
+    import torch
+
+    from tether.core.ranking import pairwise_auc
+
+    # positives 3, 1; negatives 2, 1: (3>2) (3>1) (1<2) (1=1 → ½) = 2.5 / 4
+    assert pairwise_auc(torch.tensor([3.0, 1.0]), torch.tensor([2.0, 1.0])) == pytest.approx(0.625)
+    assert pairwise_auc(torch.tensor([5.0]), torch.tensor([1.0, 2.0])) == 1.0
+    assert pairwise_auc(torch.tensor([0.0]), torch.tensor([1.0, 2.0])) == 0.0
+    with pytest.raises(ValueError):
+        pairwise_auc(torch.tensor([]), torch.tensor([1.0]))

@@ -1,0 +1,101 @@
+"""The expected time of ``tether rlhf`` on this machine, printed before it starts.
+
+How it is estimated (``--estimate``, the default): a calibration times one sampled generate call of a PPO step's
+rows (``--batch-size`` × ``--samples-per-prompt`` replies, up to ``--max-new-tokens``) from the starting policy, and
+one forward + backward pass of the policy on those sequences. Each stage is priced in those two units:
+
+- pairs: (problems × ``--pair-samples`` / rows) generate calls;
+- reward model: pairs × epochs × 2 sequences / rows updates, the pairs assumed to be half the problems at their cap;
+- PPO arm: steps × (a generate call + 2 updates: the reference, old and reward-model scores ≈ one, the update one)
+  + its evaluations (held-out problems / rows generate calls each);
+- SFT (with ``--sft-steps``), DPO: their updates.
+
+A rough guide (reply lengths change as the policy learns, the machine may be shared): stages already complete are
+skipped and cost nothing. ``--estimate false`` skips the calibration and prints the stages alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+def calibrate(cfg, prompt: str) -> tuple[float, float, int]:
+    """``(seconds of one generate call, seconds of one forward + backward, rows)`` on the starting policy."""
+    from tether.hf import load_causal_lm, load_tokenizer
+    from tether.presets import resolve_model_path
+
+    path = resolve_model_path(cfg.model.policy, what="policy")
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, cfg.model.dtype, False)
+    rows = cfg.ppo.batch_size * cfg.ppo.samples_per_prompt
+    enc = tokenizer([prompt] * rows, return_tensors="pt", padding=True)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        seq = model.generate(**enc, do_sample=True, temperature=cfg.task.temperature,
+                             max_new_tokens=cfg.task.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    t_gen = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.train()
+    model(input_ids=seq, labels=seq).loss.backward()
+    return t_gen, time.perf_counter() - t0, rows
+
+
+def training_problems(cfg) -> int:
+    if cfg.task.prompts.startswith("rg:"):
+        return cfg.task.task_train
+    with open(cfg.task.prompts, encoding="utf-8", errors="replace") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def stage_seconds(cfg, kind: str, t_gen: float, t_upd: float, rows: int) -> float | None:
+    """A stage's expected seconds from the two calibrated units (the module docstring's prices)."""
+    problems = cfg.pairs.prompts or training_problems(cfg)
+    pairs = problems * 0.5 * (cfg.pairs.max_per_prompt or cfg.pairs.samples_per_prompt)
+    if cfg.pairs.max_pairs:
+        pairs = min(pairs, cfg.pairs.max_pairs)
+    if kind == "pairs":
+        return math.ceil(problems * cfg.pairs.samples_per_prompt / rows) * t_gen
+    if kind == "rm":
+        return pairs * cfg.rm.epochs * 2 / rows * t_upd
+    if kind == "ppo":
+        evals = 1 + cfg.ppo.steps // cfg.ppo.eval_every
+        return cfg.ppo.steps * (t_gen + 2 * t_upd) + evals * math.ceil(cfg.ppo.eval_n / rows) * t_gen
+    if kind == "dpo":
+        return pairs * 2 * 2 / rows * t_upd + math.ceil(cfg.ppo.eval_n / rows) * t_gen
+    if kind == "sft" and cfg.sft.steps:
+        return cfg.sft.steps * t_upd
+    return 0.0 if kind == "task" else None
+
+
+def fmt(seconds: float | None) -> str:
+    if seconds is None:
+        return "not estimated"
+    return f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min"
+
+
+def estimate_lines(cfg, plan: list, done: set[str]) -> list[str]:
+    """One line per stage (what it does, its expected time or 'complete, skipped'), then the total and how it was
+    estimated."""
+    units = None
+    if cfg.estimate and any(st.name not in done for st in plan):
+        from tether.pipeline.stages import task_prompt
+
+        units = calibrate(cfg, task_prompt(cfg))
+    lines, total, unknown = [], 0.0, 0
+    for st in plan:
+        if st.name in done:
+            lines.append(f"{st.name:<22} complete, skipped")
+            continue
+        seconds = stage_seconds(cfg, st.kind, *units) if units else None
+        total += seconds or 0.0
+        unknown += seconds is None
+        lines.append(f"{st.name:<22} {fmt(seconds) if units else '':<14} {st.what}")
+    if units:
+        t_gen, t_upd, rows = units
+        lines.append(f"expected time on this machine: {fmt(total)}{f' + {unknown} stage(s) not estimated' if unknown else ''}"
+                     f" (calibrated now: one generate call of {rows} replies {t_gen:.2f} s, one forward + backward "
+                     f"{t_upd:.2f} s; stages priced in those units, docs/commands.md: a rough guide)")
+    return lines
