@@ -257,3 +257,38 @@ def test_a_killed_and_resumed_run_equals_the_straight_run(tmp_path, extra):
     for name in ("model.safetensors", "metrics.jsonl", "eval.json"):
         assert (out / name).read_bytes() == (tmp_path / "straight" / name).read_bytes(), name
     assert not (out / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------- the reference
+@pytest.mark.slow
+def test_a_precomputed_reference_and_one_scored_per_batch_train_the_same(tmp_path):
+    """The reference's log-probs computed once before training, or by a frozen copy batch by batch as training goes
+    (TRL's two ways), are the same numbers: the two runs end with the same weights up to float rounding."""
+    import tether
+    from safetensors.torch import load_file
+
+    policy, data = tiny_policy(tmp_path), planted_pairs(tmp_path / "pairs.jsonl", 30)
+    weights = {}
+    for precompute in (True, False):
+        out = tmp_path / f"run-{precompute}"
+        # TRL's names, as a TRL script passes them: args= with DPOConfig's keys, model= and train_dataset= as paths
+        result = tether.DPOTrainer(model=str(policy), train_dataset=str(data), args={
+            "output_dir": str(out), "learning_rate": 1e-3, "per_device_train_batch_size": 8, "beta": 0.1,
+            "precompute_ref_log_probs": precompute, "progress": False}).train()
+        assert result.steps == 4 and result.models == {"policy": out}
+        weights[precompute] = load_file(str(out / "model.safetensors"))
+    start = load_file(str(policy / "model.safetensors"))
+    for name, value in weights[True].items():
+        torch.testing.assert_close(weights[False][name], value, rtol=0, atol=1e-5)
+    assert any((weights[True][n] - start[n]).abs().max() > 1e-3 for n in start)  # it trained
+
+
+def test_trl_arguments_that_do_not_apply_are_one_line(tmp_path):
+    import tether
+    from tether.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^DPOTrainer\(ref_model=\.\.\.\): the reference is the starting policy"):
+        tether.DPOTrainer(model="policy", ref_model=object(), train_dataset="pairs.jsonl")
+    with pytest.raises(ConfigError, match=r"label-smoothing: applies to --loss-type sigmoid, not ipo"):
+        tether.DPOTrainer({"model.path": "p", "data.files": ["d"], "output_dir": "o", "loss_type": "ipo",
+                           "label_smoothing": 0.1})
