@@ -129,6 +129,34 @@ def test_reply_log_probs_equal_a_plain_forward_on_a_padded_batch(tmp_path, packi
                                rtol=0, atol=2e-5)
 
 
+def test_with_a_chat_template_only_the_assistant_reply_counts(tmp_path):
+    """Through the chat template the reply is what follows the rendered generation prompt, plus EOS (the template ends
+    the turn with none): computed here from the template's own renderings, one sequence at a time."""
+    from tiny import make_llama_chat_dir
+
+    from tether.dpo.data import forward_logps, pair_batch
+    from tether.precision import Precision
+
+    path = make_llama_chat_dir(tmp_path)
+    tokenizer, model, items = pair_items(path)
+    batch, segments = pair_batch(items, tokenizer, None)
+    model.eval()
+    with torch.no_grad():
+        got = forward_logps(model, batch, segments, 6, "cpu", Precision(torch.float32, "cpu"), average=False)
+    expected = []
+    for side in (1, 2):
+        for pair in PAIRS:
+            user = [{"role": "user", "content": pair[0]}]
+            prefix = list(tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True)["input_ids"])
+            whole = list(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": pair[side]}],
+                                                       tokenize=True)["input_ids"]) + [tokenizer.eos_token_id]
+            assert whole[:len(prefix)] == prefix
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=torch.tensor([whole])).logits[0].double(), -1)
+            expected.append(sum(logp[t - 1, whole[t]].item() for t in range(len(prefix), len(whole))))
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=2e-5)
+
+
 def test_sequence_logps_by_hand():
     # one row, two sequences packed: [a b | c d e]; uniform logits over 4 tokens: every log-prob is log(1/4)
     logits = torch.zeros(1, 5, 4)
