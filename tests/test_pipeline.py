@@ -35,13 +35,15 @@ class KillAtStep:
 
 def config(root, policy, prompts, **over) -> dict:
     (root / "sample.yaml").write_text("accept:\n  require_eos: false\n")  # 6-token random replies rarely end
+    # sampled held-out answers: a random policy's greedy ones are one text for every prompt, whose gold never moves
+    (root / "ppo.yaml").write_text("eval:\n  greedy: false\n")
     cfg = {"output_dir": str(root / "out"), "estimate": False,
            "model": {"policy": str(policy)},
            "task": {"prompts": str(prompts), "gold": "pipeline_rules:has_one", "max_new_tokens": 6, "temperature": 1.0},
            "pairs": {"samples_per_prompt": 4, "batch_size": 16, "length_gap": 0, "config": str(root / "sample.yaml")},
            "rm": {"epochs": 1, "batch_size": 8},
            "ppo": {"steps": 2, "batch_size": 4, "samples_per_prompt": 4, "eval_every": 1, "eval_n": 10,
-                   "control": True, "save_every": 1},
+                   "control": True, "save_every": 1, "config": str(root / "ppo.yaml")},
            "refresh": {"rounds": 1}, "dpo": {"run": dpo_available()}}
     for key, value in over.items():
         section, _, leaf = key.partition("__")
@@ -79,6 +81,7 @@ def runs(tmp_path_factory):
     return out, printed, results
 
 
+@pytest.mark.slow
 def test_every_stage_arm_and_round(runs):
     out, _, results = runs
     assert results is not None
@@ -119,6 +122,7 @@ def exact_mcnemar(b: int, c: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n)
 
 
+@pytest.mark.slow
 def test_held_out_results_are_the_arms_own_evaluations(runs):
     """The table's step-k accuracy and gains are those of the arm's metrics.jsonl against the step-0 row."""
     out, _, results = runs
@@ -132,6 +136,7 @@ def test_held_out_results_are_the_arms_own_evaluations(runs):
         assert point["lost"] == sum(a < b for a, b in zip(c, base))
 
 
+@pytest.mark.slow
 def test_a_kill_between_stages_resumes_at_the_next_stage(runs):
     out, printed, _ = runs
     (first, after_first, done_first), (second, after_second, done_second), (third, after_third, _) = printed
@@ -144,6 +149,7 @@ def test_a_kill_between_stages_resumes_at_the_next_stage(runs):
     assert after_first == after_second == after_third  # the earlier stages' markers untouched (time and content)
 
 
+@pytest.mark.slow
 def test_a_kill_inside_ppo_resumes_from_its_checkpoint(runs):
     out, printed, _ = runs
     assert "resuming" not in printed[1][0].split(f"== {ARM}:")[1].split("\n")[0]
@@ -194,3 +200,24 @@ def test_pairwise_auc_by_hand():
     assert pairwise_auc(torch.tensor([0.0]), torch.tensor([1.0, 2.0])) == 0.0
     with pytest.raises(ValueError):
         pairwise_auc(torch.tensor([]), torch.tensor([1.0]))
+
+
+def test_the_example_config_is_recipe_5_wired():
+    """examples/rlhf-chain-sum.yaml loads; its PPO arms get recipe 5's settings from its stage YAML and the
+    pipeline's wiring over them (this arm's policy, reward model, beta and steps)."""
+    from pathlib import Path
+
+    from tether.config import as_config
+    from tether.pipeline.config import RLHFConfig
+    from tether.pipeline.stages import ppo_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = as_config(RLHFConfig, str(root / "examples" / "rlhf-chain-sum.yaml"))
+    for section in (cfg.pairs, cfg.ppo):
+        section.config = str(root / section.config)
+    ppo = ppo_config(cfg, Path("task"), "runs/x/policy", "runs/x/rm_r1", 0.0, False, Path("runs/x/ppo_beta0_r1"))
+    assert (ppo.kl.coef, ppo.steps, ppo.reward.sources, ppo.model.policy) == (0.0, 10, ["runs/x/rm_r1"],
+                                                                             "runs/x/policy")
+    assert (ppo.advantage.estimator, ppo.kl.estimator, ppo.ppo.packing, ppo.model.lora_r) == ("grpo", "k3", True, 16)
+    assert ppo.data.eval_prompts == str(Path("task") / "heldout.jsonl") and ppo.reward.gold.endswith(
+        "reasoning_gym_correct")

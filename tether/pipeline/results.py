@@ -76,7 +76,8 @@ def collect(cfg, out: Path, plan: list, records: dict) -> dict:
     if dpo and isinstance(dpo.get("eval", {}).get("eval/correct"), str):
         ev = dpo["eval"]
         arms["dpo"] = {"0": {"dir": str(out / "dpo_r0"), "seconds": dpo.get("seconds"), "s_per_step": None,
-                             "doctor": {"level": "-", "summary": "not a PPO run"},
+                             "doctor": {"level": "-", "summary": f"not a PPO run (DPO: step = its {dpo.get('steps', 0)} "
+                                                                 "optimiser steps)"},
                              "evals": [paired_point(dpo.get("steps", 0), ev["eval/correct"], base,
                                                     ev.get("eval/reward"))]}}
     return {"config": config_to_dict(cfg),
