@@ -24,22 +24,23 @@ import torch
 
 def calibrate(cfg, prompt: str) -> tuple[float, float, int]:
     """``(seconds of one generate call, seconds of one forward + backward, rows)`` on the starting policy."""
-    from tether.hf import load_causal_lm, load_tokenizer
+    from tether.hf import load_causal_lm, load_tokenizer, quiet_transformers
     from tether.presets import resolve_model_path
 
     path = resolve_model_path(cfg.model.policy, what="policy")
-    tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, cfg.model.dtype, False)
     rows = cfg.ppo.batch_size * cfg.ppo.samples_per_prompt
-    enc = tokenizer([prompt] * rows, return_tensors="pt", padding=True)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        seq = model.generate(**enc, do_sample=True, temperature=cfg.task.temperature,
-                             max_new_tokens=cfg.task.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    t_gen = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.train()
-    model(input_ids=seq, labels=seq).loss.backward()
+    with quiet_transformers():  # its load reports and generate's notes are no part of the estimate
+        tokenizer = load_tokenizer(path)
+        model = load_causal_lm(path, cfg.model.dtype, False)
+        enc = tokenizer([prompt] * rows, return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            seq = model.generate(**enc, do_sample=True, temperature=cfg.task.temperature,
+                                 max_new_tokens=cfg.task.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        t_gen = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.train()
+        model(input_ids=seq, labels=seq).loss.backward()  # (rows, T): one update's forward + backward
     return t_gen, time.perf_counter() - t0, rows
 
 

@@ -165,8 +165,6 @@ class RLHFPipeline:
         ``plan[i]`` alone."""
         if not self.cfg.parallel_arms or plan[i].kind != "ppo":
             return [plan[i]]
-        import torch
-
         from tether.demo.side_by_side import usable_cores
 
         group = []
@@ -175,12 +173,13 @@ class RLHFPipeline:
                 break
             group.append(st)
         pending = [st for st in group if st.name not in done]
-        fits = usable_cores() >= len(pending) * torch.get_num_threads()
-        return group if fits and len(pending) > 1 else [plan[i]]
+        return group if 1 < len(pending) <= usable_cores() else [plan[i]]  # a core each at least
 
     def run_side_by_side(self, group: list[Stage]) -> dict:
         """A round's PPO arms, one process each (:func:`tether.demo.side_by_side.run_side_by_side`)."""
-        from tether.demo.side_by_side import run_side_by_side
+        import torch
+
+        from tether.demo.side_by_side import run_side_by_side, usable_cores
         from tether.pipeline import stages as s
 
         records, jobs = {}, []
@@ -189,9 +188,15 @@ class RLHFPipeline:
                 records[st.name] = self.run_stage(st)  # skipped
                 continue
             jobs.append((self.out / st.name, config_to_dict(self.ppo_config(self.out / st.name, *st.arm))))
-        print(f"\n== {', '.join(j[0].name for j in jobs)}: side by side, one process each", flush=True)
-        t0 = time.perf_counter()
-        run_side_by_side(s.run_ppo_process, jobs, self.cfg.ppo.steps)
+        threads = max(1, usable_cores() // len(jobs))  # the cores shared out; the children take this count
+        print(f"\n== {', '.join(j[0].name for j in jobs)}: side by side, one process each ({threads} thread(s) "
+              "each)", flush=True)
+        t0, before = time.perf_counter(), torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            run_side_by_side(s.run_ppo_process, jobs, self.cfg.ppo.steps)
+        finally:
+            torch.set_num_threads(before)
         for run_dir, _ in jobs:
             records[run_dir.name] = self.complete(run_dir.name, {"steps": self.cfg.ppo.steps,
                                                                  "policy": str(run_dir / "policy")},
