@@ -320,3 +320,33 @@ def test_trl_arguments_that_do_not_apply_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"label-smoothing: applies to --loss-type sigmoid, not ipo"):
         tether.DPOTrainer({"model.path": "p", "data.files": ["d"], "output_dir": "o", "loss_type": "ipo",
                            "label_smoothing": 0.1})
+
+
+def test_callbacks_see_every_step_and_a_stop_finishes_with_the_policy_so_far(tmp_path):
+    import tether
+
+    policy, data = tiny_policy(tmp_path), planted_pairs(tmp_path / "pairs.jsonl", 30)
+    seen = []
+
+    class Watch(tether.Callback):
+        def on_step_end(self, record):
+            seen.append(record.step)
+            if record.step == 2:
+                raise tether.StopTraining("two is enough")
+            return {"custom/margin_x2": 2 * record.metrics["rewards/margins"]}
+
+        def on_evaluate(self, metrics):
+            seen.append(("evaluate", metrics["eval/pairs"]))
+
+        def on_save(self, path):
+            seen.append(("save", Path(path).name))
+
+    cfg = tether.DPOConfig(output_dir=str(tmp_path / "dpo"), progress=False, save_every=1)
+    cfg.model.path, cfg.optim.lr = str(policy), 1e-3
+    result = tether.DPOTrainer(cfg, pairs=str(data), callbacks=Watch()).train()
+    assert result.stopped == "two is enough" and result.steps == 2
+    assert seen == [1, ("save", "step_000001"), 2, ("evaluate", 3), ("save", "dpo")]
+    rows = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "custom/margin_x2" in rows[1]
+    assert rows[2]["eval/pairs"] == 3  # the run's last row carries the final evaluation
+    assert json.loads((tmp_path / "dpo" / "tether_dpo.json").read_text())["run"]["stopped"] == "two is enough"
