@@ -1,5 +1,6 @@
 """Statistics on tensors and counts: log-probs and entropy from logits, explained variance,
-Wilson interval (A4), n-gram repetition. Pure functions; import only torch and math."""
+Wilson interval (A4), n-gram repetition, the change of the weights over a step and the share of non-zero
+advantages (the doctor's no-op checks). Pure functions; import only torch and math."""
 
 from __future__ import annotations
 
@@ -84,7 +85,29 @@ def repetition_rate(tokens: torch.Tensor, mask: torch.Tensor, n: int = 3) -> flo
     return repeated / total if total else 0.0
 
 
-__all__ = ["logprobs_from_logits", "entropy_from_logits", "explained_variance", "wilson_interval",
+def squared_change(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+    """Σ_i ‖θ_i^after − θ_i^before‖² over the tensors of ``before`` and ``after`` (paired, same shapes), in float64:
+    the square of ``ppo/param_update_norm`` = ‖θ_after − θ_before‖₂ over the trainable parameters. Returned squared
+    so that shards (FSDP2: each process holds a slice of every tensor) add before the square root."""
+    if len(before) != len(after):
+        raise ValueError(f"squared_change: {len(before)} tensors before, {len(after)} after")
+    total = torch.zeros((), dtype=torch.float64)
+    for b, a in zip(before, after):
+        total += (a.detach().double() - b.detach().to(a.device).double()).pow(2).sum().cpu()
+    return total
+
+
+def nonzero_counts(x: torch.Tensor, mask: torch.Tensor, tol: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ 1[|x| > tol]·m, Σ m) over the valid elements of ``x`` (``mask`` 0/1, broadcastable): their ratio is
+    ``advantages/nonzero_fraction``. ``tol`` absorbs the rounding of a score minus its group's mean when every score
+    of the group is the same number (0.3 − mean(0.3, 0.3, 0.3) is 5.6e-17, not 0); advantages are in reward units or
+    whitened, so a real one is orders of magnitude above it. A NaN counts as non-zero (it is not "no signal")."""
+    m = mask.bool().expand_as(x)
+    nonzero = ~(x.abs() <= tol)  # NaN: the comparison is False, so it counts
+    return (nonzero & m).sum(), m.sum()
+
+
+__all__ = ["squared_change", "nonzero_counts", "logprobs_from_logits", "entropy_from_logits", "explained_variance", "wilson_interval",
            "mcnemar_exact", "repetition_counts", "repetition_rate", "masked_mean"]
 
 

@@ -1,13 +1,16 @@
 """The health bands of a PPO run (SPEC D1) as one table of data, :data:`BANDS`: which metric (a key of
 ``metrics.jsonl``), what it is compared with, the healthy range, the alarm threshold, what it means and the failure
 mode it points to, and the failure modes' names. :mod:`tether.diagnostics.health` checks them step by step (and
-re-exports them). Imports only the standard library.
+re-exports them). The no-op rows (:mod:`tether.diagnostics.noop`) and the late-collapse rows
+(:mod:`tether.diagnostics.drift`) are kept in their own modules and placed here. Imports only the standard library and
+those modules.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from tether.diagnostics.band import GOLD_MEASURES, MEASURES, Band, _number  # noqa: F401  importable from here too
+from tether.diagnostics.drift import ENTROPY_BLOWUP, ENTROPY_RISE_BAND, REPETITION, REPETITION_BAND  # noqa: F401
+from tether.diagnostics.noop import ADVANTAGES_ZERO, ENGINE_BEHIND, NOOP_BANDS, WEIGHTS_UNCHANGED  # noqa: F401
 
 # Failure modes, named as in SPEC D2.
 KL_EXPLOSION = "KL explosion"
@@ -22,90 +25,11 @@ SHORTCUT = "shortcut"
 TASK_DROPPED = "the check satisfied, the task dropped"  # per problem: tether.diagnostics.shortcut
 SAMPLER_MISMATCH = "sampler mismatch"
 
-# What a band's measure is:
-#   value   the metric itself
-#   recent  metric / median of its previous `window` values          (sudden jumps and drops)
-#   early   metric / median of its first `baseline_steps` values     (drift from the start of the run)
-#   first   metric / its first value                                   (evaluations: few, far apart)
-#   gold    evidence (a one-sided z; tether.diagnostics.gold) that the gold metric fell below its best evaluation
-#           so far, at evaluations where the reward kept at least half its gain: "the proxy still says better"
-#   gold_collapse  the same evidence at evaluations where the reward fell too
-MEASURES = ("value", "recent", "early", "first", "gold", "gold_collapse")
-GOLD_MEASURES = ("gold", "gold_collapse")
-
-
-@dataclass(frozen=True)
-class Band:
-    """One row of the health table. ``None`` bounds are absent. A measure is *alarm* when it is below
-    ``alarm_low`` or above ``alarm_high``; *warn* when it is outside ``healthy`` on an alarm side; else *ok*."""
-
-    name: str
-    key: str  # metric key in metrics.jsonl
-    measure: str  # one of MEASURES
-    healthy: tuple[float | None, float | None]
-    alarm_low: float | None
-    alarm_high: float | None
-    failure_mode: str
-    meaning: str
-    warmup: bool = False  # skip the first `HealthConfig.warmup` values (the critic is still learning)
-    # (metric, low, high): judged only on rows where that metric lies in [low, high] or is absent;
-    # other rows are skipped like rows without the band's own metric
-    only_if: tuple[str, float | None, float | None] | None = None
-    reported_by_some_runs: bool = False  # absent by design elsewhere: doctor does not list it as "not checked"
-    persistence: str = "persistence"  # the HealthConfig field that says how long an alarm must last
-    # At the run's final step an alarm counts at once, and with the tether off (β = 0) a warning too:
-    # nothing comes after to confirm it, and that value judges the policy the run hands over (the gold
-    # bands, whose z already allows for noise; a tethered run's last-moment dip stays a warning).
-    final_confirms: bool = False
-    needs: tuple[str, ...] = ()  # other keys the measure reads (a band without them is not checked)
-
-    def state(self, m: float) -> str:
-        if not math.isfinite(m):
-            return "alarm"  # a NaN/inf metric means the run has blown up
-        if (self.alarm_low is not None and m < self.alarm_low) or (
-                self.alarm_high is not None and m > self.alarm_high):
-            return "alarm"
-        low, high = self.healthy
-        if (self.alarm_low is not None and low is not None and m < low) or (
-                self.alarm_high is not None and high is not None and m > high):
-            return "warn"
-        return "ok"
-
-    def applies(self, row: dict) -> bool:
-        if self.only_if is None:
-            return True
-        key, low, high = self.only_if
-        v = _number(row.get(key))
-        return v is None or ((low is None or v >= low) and (high is None or v <= high))
-
-    def _range(self, low, high, unit: str) -> str:
-        if low is not None and high is not None:
-            return f"{low:g}–{high:g}{unit}"
-        return f"≥ {low:g}{unit}" if low is not None else f"≤ {high:g}{unit}"
-
-    def healthy_text(self) -> str:
-        return self._range(*self.healthy, self.unit())
-
-    def alarm_text(self) -> str:
-        parts = []
-        if self.alarm_low is not None:
-            parts.append(f"< {self.alarm_low:g}{self.unit()}")
-        if self.alarm_high is not None:
-            parts.append(f"> {self.alarm_high:g}{self.unit()}")
-        return " or ".join(parts)
-
-    def unit(self) -> str:
-        gold = " σ below best"
-        return {"recent": "× recent median", "early": "× early median", "first": "× first evaluation", "gold": gold,
-                "gold_collapse": gold}.get(
-            self.measure, "")
-
-
 GOLD_WARN, GOLD_ALARM = 2.05, 3.0  # σ of the gold bands' corrected evidence (one-sided p 0.0202, 0.00135)
 
 # The table, in the order of the causal chain of reference D.6 (ratio → KL → value → entropy/length →
 # reward hacking): when two bands leave their healthy range at the same step the earlier row is the cause.
-BANDS: tuple[Band, ...] = (
+BANDS: tuple[Band, ...] = NOOP_BANDS + (  # first: a step that changes nothing (tether.diagnostics.noop)
     # First in the chain: samples drawn from another distribution than the one PPO scores make every ratio
     # wrong from the start (B19). Only an engine that reports its log-probs gives these; fp32 gives ~1e-14 KL and a
     # 1e-7 gap, a bf16 engine 1e-4–1e-3 KL. One step off (C7) the engine's weights are one update older by design:
@@ -144,10 +68,12 @@ BANDS: tuple[Band, ...] = (
          only_if=("value/returns_std", 0.01, None)),  # constant returns: nothing to explain
     Band("entropy", "policy/entropy", "recent", (0.8, None), 0.5, None, MODE_COLLAPSE,
          "policy entropy against its recent median; a sudden drop = the policy collapses onto few outputs"),
+    ENTROPY_RISE_BAND,  # the other way, against the run's start (tether.diagnostics.drift)
     Band("length_collapse", "response/length_mean", "early", (0.67, None), 0.5, None, MODE_COLLAPSE,
          "mean response length against the start of the run; collapse = degenerate short outputs"),
     Band("length_surge", "response/length_mean", "early", (None, 1.5), None, 2.0, REWARD_HACKING,
          "mean response length against the start of the run; surge = the reward model's length bias is gamed"),
+    REPETITION_BAND,  # tether.diagnostics.drift
     # A drop is judged by its significance, not by a fixed number of points (an evaluation of 250 prompts
     # has a standard error of ~3 points, one of 32 of ~9): the paired exact test of the problems that changed
     # since the best evaluation, times the evaluations the best was chosen from, as a one-sided z. The alarm
@@ -186,9 +112,3 @@ BANDS: tuple[Band, ...] = (
          persistence="not_learning_steps", only_if=("objective/kl", None, 0.01)),
 )
 BAND_NAMES = tuple(b.name for b in BANDS)
-
-
-def _number(x) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x)

@@ -127,7 +127,7 @@ class _Tracker:
 
     def __init__(self, band: Band, config: HealthConfig):
         self.band, self.config = band, config
-        self.need = getattr(config, band.persistence)
+        self.need = 1 if band.persistence == "once" else getattr(config, band.persistence)
         self.history: list[float] = []  # raw values seen (for the recent/early baselines)
         self.gold = GoldHistory()  # gold bands: the evaluations so far
         self.point: GoldPoint | None = None  # gold bands: the latest evaluation against the best before it
@@ -152,11 +152,13 @@ class _Tracker:
                 return None
             base = statistics.median(previous)
             return value / base if base > 0 else None
-        if b.measure == "early":
+        if b.measure in ("early", "rise"):
             self.history.append(value)
             if len(self.history) <= cfg.baseline_steps:
                 return None
             base = statistics.median(self.history[:cfg.baseline_steps])
+            if b.measure == "rise":
+                return value - base
             return value / base if base > 0 else None
         if b.measure == "first":
             self.history.append(value)
@@ -184,6 +186,8 @@ class _Tracker:
             return None
         if not self.band.applies(row):
             return None
+        if self.band.only_if and self.band.only_if[0] == "objective/kl" and "objective/kl" not in row:
+            return None  # the KL was not computed (no reference pass, tether.ppo.skips): the band cannot tell
         measure = self._measure(step, value, row)
         if measure is None:
             return None

@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tether.diagnostics.drift import PRESCRIPTIONS as DRIFT_PRESCRIPTIONS
 from tether.diagnostics.groups import flat_groups_prescriptions
 from tether.diagnostics.headline import FLAT_REWARD
 from tether.diagnostics.health import (COLLAPSE, KL_EXPLOSION, MODE_COLLAPSE, NO_SIGNAL, NOT_LEARNING, RATIO,
                                        REWARD_HACKING, SAMPLER_MISMATCH, SHORTCUT, TASK_DROPPED, VALUE_COLLAPSE)
+from tether.diagnostics.noop import PRESCRIPTIONS as NOOP_PRESCRIPTIONS
 
 
 def _scaled(lo: float, hi: float | None = None) -> Callable[[Any], str | None]:
@@ -159,3 +161,5 @@ PRESCRIPTIONS: dict[str, list[Rx]] = {
            lambda c: "fp32", _is("fp32")),
     ],
 }
+# issue 54: the no-op and late-collapse modes keep their prescriptions beside their bands
+PRESCRIPTIONS.update({mode: [Rx(*rx) for rx in rxs] for mode, rxs in {**NOOP_PRESCRIPTIONS, **DRIFT_PRESCRIPTIONS}.items()})

@@ -104,6 +104,7 @@ class OneStepOff:
         if self.synced_at != steps_done:
             with timer("weight_sync"):
                 m.engine.sync_weights(m.unwrapped_policy)
+            run.versions.synced()
             self.synced_at = steps_done
         query, query_mask = encode_prompts(m.tokenizer, [r["prompt"] for r in rows], cfg.data.max_prompt_length,
                                            m.use_chat_template, cfg.data.system_prompt, cfg.data.prompt_template)

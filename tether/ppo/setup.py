@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -38,6 +38,7 @@ from tether.ppo.models import (
     load_policy,
     same_vocabulary,
 )
+from tether.ppo.noop import WeightProbe, WeightVersions
 from tether.ppo.offpolicy import OneStepOff
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
@@ -114,6 +115,9 @@ class Run:
     optim: Optimisation
     data: Data
     perf: Throughput               # FLOP shapes and the device peak, for perf/mfu
+    # the no-op checks (tether.ppo.noop): the trainer's and the engine's weight versions, the update-norm probe
+    versions: WeightVersions = field(default_factory=WeightVersions)
+    probe: WeightProbe | None = None
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:

@@ -34,6 +34,7 @@ from tether.ppo.metrics import (
     throughput_metrics,
     value_metrics,
 )
+from tether.ppo.noop import advantage_metrics, after_update, before_update
 from tether.ppo.offpolicy import Batch, correction_metrics, step_correction_weights
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.draw import draw_step_batch
@@ -75,6 +76,7 @@ def ppo_step(run, cfg, step: int) -> dict:
     if m.engine.syncs_weights and d.ahead is None:
         with timer("weight_sync"):
             m.engine.sync_weights(m.unwrapped_policy)
+        run.versions.synced()
     batch = draw_step_batch(run, cfg, timer, lambda: sample_batch(run, cfg, step, timer))
     if p.world_size == 1 and not bool(batch.kept.any()):
         return nothing_to_train(run, cfg, step, timer, batch)
@@ -128,9 +130,11 @@ def ppo_step(run, cfg, step: int) -> dict:
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     any_kept = bool(p.global_sum(valid.sum()) > 0)
+    trained = before_update(run, cfg, step)  # the engine's weight version; the snapshot for ppo/param_update_norm
     with timer("train"), torch.enable_grad():  # every row dropped: no update (a step on zero gradients moves Adam)
         train_stats, epochs_run = (ppo_epochs(run, cfg, experience, step) if any_kept
                                    else ({"health/skipped_updates": 0, "ppo/updates": 0}, 0))
+    trained.update(after_update(run, train_stats))  # the no-op checks (tether.ppo.noop)
 
     # 10. KL controller (B11) on this step's per-token KL to the reference, pooled over all processes' tokens.
     # It learns only from rollouts of a policy that has been updated: before the first policy update (step 1,
@@ -141,7 +145,7 @@ def ppo_step(run, cfg, step: int) -> dict:
 
     metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run,
                            any_kept)
-    return step_result(run, step, batch, metrics, train_stats, finite, notes)
+    return step_result(run, step, batch, {**metrics, **trained}, train_stats, finite, notes)
 
 
 def step_result(run, step: int, batch, metrics: dict, train_stats: dict, finite: torch.Tensor,
@@ -218,6 +222,7 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience | 
         **(value_metrics(p, e.values_old, e.returns, e.response_mask) if e.values_old is not None else {}),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, e.response_mask),
         **correction_metrics(p, cfg, rollout, e.logprobs_old, e.response_mask),
+        **advantage_metrics(p, e.advantages, e.response_mask),
     } if any_kept else {"objective/kl_coef": beta_used}
     kept_tokens = rollout.lengths[e.valid.to(rollout.lengths.device)].sum() if e is not None else 0
     return {
