@@ -60,7 +60,7 @@ def test_the_loss_is_trls_formula_on_random_log_probs(loss_type, beta, smoothing
 
 def test_one_pair_by_hand():
     # log pi(y_w) = -1, log pi(y_l) = -2, the reference -1.5 for both: h = 0.5 - (-0.5) = 1
-    t = lambda x: torch.tensor([x], dtype=torch.float64)  # noqa: E731
+    t = lambda x: torch.tensor([x], dtype=torch.float64)
     loss, stats = dpo_loss(t(-1.0), t(-2.0), t(-1.5), t(-1.5), beta=0.1)
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.1)), abs=1e-15)  # -log sigmoid(0.1) = 0.64439...
     assert loss.item() == pytest.approx(0.6443966600735709, abs=1e-15)
@@ -268,7 +268,7 @@ def test_a_killed_and_resumed_run_equals_the_straight_run(tmp_path, extra):
     from tether.checkpoint import list_checkpoints
 
     policy, data = gpt2_with_dropout(tmp_path / "policy"), planted_pairs(tmp_path / "pairs.jsonl", 30)
-    flags = lambda out: ["--model", str(policy), "--data", str(data), "--output-dir", str(out), "--epochs", "2",  # noqa: E731
+    flags = lambda out: ["--model", str(policy), "--data", str(data), "--output-dir", str(out), "--epochs", "2",
                          "--batch-size", "8", "--lr", "1e-3", "--save-every", "2", "--eval-fraction", "0.2",
                          "--eval-every", "3", "--disable-dropout", "false", "--progress", "false", *extra]
     straight = run(["-m", "tether", "dpo", *flags(tmp_path / "straight")])
@@ -292,8 +292,9 @@ def test_a_killed_and_resumed_run_equals_the_straight_run(tmp_path, extra):
 def test_a_precomputed_reference_and_one_scored_per_batch_train_the_same(tmp_path):
     """The reference's log-probs computed once before training, or by a frozen copy batch by batch as training goes
     (TRL's two ways), are the same numbers: the two runs end with the same weights up to float rounding."""
-    import tether
     from safetensors.torch import load_file
+
+    import tether
 
     policy, data = tiny_policy(tmp_path), planted_pairs(tmp_path / "pairs.jsonl", 30)
     weights = {}
