@@ -65,9 +65,33 @@ def check_defaults_apply(cfg) -> None:
                           "--eval-prompts FILE or --eval-fraction F, or --eval-every 0")
 
 
+def check_policy_loss(cfg) -> None:
+    """The refusals of ``ppo.policy_loss`` (docs/losses.md): GSPO's loss is one per response, −min(s_i·A_i, ...),
+    so it needs the row's advantage A_i; GAE's differs token by token, and GSPO-token is the form built for that."""
+    if cfg.ppo.policy_loss == "gspo" and not cfg.advantage.critic_free:
+        raise ConfigError(f"--policy-loss gspo: needs one advantage per response (a critic-free --advantage: rloo, "
+                          f"grpo, dr_grpo, reinforce_pp), not --advantage {cfg.advantage.estimator}'s per-token ones; "
+                          "use --policy-loss gspo_token")
+
+
+def policy_loss_warnings(cfg) -> list[str]:
+    """Clip ranges set for a policy loss that does not read them: one line each."""
+    ppo, out = cfg.ppo, []
+    defaults = type(ppo)()
+    gspo = ppo.policy_loss in ("gspo", "gspo_token")
+    unread = (("clip_range", "--clip-range"), ("clip_range_high", "--clip-range-high")) if gspo else (
+        ("gspo_clip_range", "--gspo-clip-range"), ("gspo_clip_range_high", "--gspo-clip-range-high"))
+    for key, flag in unread:
+        if getattr(ppo, key) != getattr(defaults, key):
+            out.append(f"{flag} {getattr(ppo, key):g}: ignored; --policy-loss {ppo.policy_loss} clips "
+                       + ("the sequence ratio by --gspo-clip-range/--gspo-clip-range-high" if gspo
+                          else "token ratios by --clip-range/--clip-range-high"))
+    return out
+
+
 def run_warnings(cfg) -> list[str]:
     """Settings that are legal but do nothing in this run: one line each."""
-    out = []
+    out = policy_loss_warnings(cfg)
     if cfg.advantage.critic_free and (cfg.critic.kind != "head" or cfg.critic.model):
         setting = f"--critic {cfg.critic.kind}" + (f" --critic-model {cfg.critic.model}" if cfg.critic.model else "")
         out.append(f"{setting}: ignored; --advantage {cfg.advantage.estimator} builds no critic (its baseline is "

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from tether.config import check_fields, option
 from tether.core.group import CRITIC_FREE, ESTIMATORS, GROUP_BASELINES
 from tether.core.kl import K3_CLIP
+from tether.core.losses import POLICY_LOSSES
 from tether.diagnostics.health import HealthConfig
 from tether.errors import ConfigError
 from tether.trl_compat.keys import accepts_trl_keys
-from tether.ppo.checks import (check_defaults_apply, eval_every,
+from tether.ppo.checks import (check_defaults_apply, check_policy_loss, eval_every,
                                run_warnings)
 
 
@@ -88,8 +89,23 @@ class PPOConfig:
                                flag="--mini-batches")
     grad_accumulation: int = option(1, "micro-batches per minibatch (must divide the minibatch)", low=1,
                                     flag="--grad-accumulation")
-    clip_range: float = option(0.2, "epsilon of the clipped surrogate", low=0.0, low_open=True,
-                               flag="--clip-range")
+    policy_loss: str = option("ppo", "the policy loss (docs/losses.md): 'ppo' the clipped surrogate of token "
+                              "ratios; 'gspo' the sequence ratio (geometric mean of the token ratios) clipped by "
+                              "--gspo-clip-range, one loss per response; 'gspo_token' its per-token form (the same "
+                              "value, each token's gradient weighted by its own advantage); 'cispo' the clipped ratio, "
+                              "held constant, times advantage times log-prob (every token keeps a gradient)",
+                              choices=POLICY_LOSSES, flag="--policy-loss",
+                              value_aliases={"token": "ppo", "sequence": "gspo"})  # TRL's importance_sampling_level
+    clip_range: float = option(0.2, "epsilon of the clipped surrogate (ppo, cispo: ratio clipped below at "
+                               "1 - epsilon)", low=0.0, low_open=True, flag="--clip-range")
+    clip_range_high: float | None = option(None, "epsilon_high: ratio clipped above at 1 + epsilon_high (ppo, cispo; "
+                                           "DAPO's clip-higher uses 0.28 with --clip-range 0.2); default: --clip-range",
+                                           low=0.0, low_open=True, flag="--clip-range-high")
+    gspo_clip_range: float = option(3e-4, "gspo, gspo_token: the sequence ratio clipped below at 1 - this (the GSPO "
+                                    "paper's 3e-4: a sequence ratio stays far closer to 1 than a token's)", low=0.0,
+                                    low_open=True, flag="--gspo-clip-range")
+    gspo_clip_range_high: float = option(4e-4, "gspo, gspo_token: the sequence ratio clipped above at 1 + this",
+                                         low=0.0, low_open=True, flag="--gspo-clip-range-high")
     clip_range_value: float = option(0.2, "epsilon_v of value clipping; 0 = off", low=0.0)
     vf_coef: float = option(0.5, "c1: weight of the value loss", low=0.0)
     entropy_coef: float = option(0.0, "c2: entropy bonus weight", low=0.0)
@@ -243,6 +259,7 @@ class RunConfig:
             raise ConfigError(f"--grad-accumulation: {self.ppo.grad_accumulation} does not divide the "
                               f"minibatch of {self.minibatch_size} rows")
         self.validate_advantage()
+        check_policy_loss(self)
         check_defaults_apply(self)
 
     def warnings(self) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from tether.core.advantages import masked_mean
 from tether.core.group import group_permutation
 from tether.core.kl import kl_penalty
-from tether.core.losses import ppo_policy_loss, ppo_value_loss
+from tether.core.losses import cispo_policy_loss, gspo_policy_loss, ppo_policy_loss, ppo_value_loss
 from tether.ppo.forward import critic_values, forward_response
 from tether.ppo.records import Experience
 from tether.sharding import grad_norm_value
@@ -145,8 +145,7 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
         def token_mean(x: torch.Tensor) -> torch.Tensor:
             return masked_mean(x, mask) if normaliser is None else (x * mask).sum() / normaliser
 
-        policy_loss, policy_stats = ppo_policy_loss(logprobs, mb.logprobs_old, mb.advantages, mask,
-                                                    cfg.ppo.clip_range, weights=mb.is_weights)  # B19
+        policy_loss, policy_stats = policy_loss_term(cfg.ppo, logprobs, mb, mask)
         if normaliser is not None:  # the token mean Σ/n_tokens made Σ/normaliser
             policy_loss = policy_loss * mask.sum().clamp(min=1.0) / normaliser
         loss = policy_loss if loss is None else loss + policy_loss
@@ -157,13 +156,26 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
             loss = loss + run.optim.kl_controller.value * kl_loss
             stats["policy/kl_loss"] = kl_loss.item()
         stats.update({"policy/loss": policy_loss.item(),
-                      "policy/clip_fraction": policy_stats["clip_fraction"].item(),
+                      **{f"policy/{k}": policy_stats[k].item()
+                         for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high")},
                       "policy/approx_kl": policy_stats["approx_kl"].item(),
                       "policy/ratio_mean": policy_stats["ratio_mean"].item(),
                       "policy/ratio_std": policy_stats["ratio_std"].item(),
                       "ratio_max": policy_stats["ratio_max"].item()})
     run.processes.backward(run.optim.scaler.scale(loss * weight))
     return stats
+
+
+def policy_loss_term(ppo, logprobs: torch.Tensor, mb: Experience, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The policy loss ``ppo.policy_loss`` names (docs/losses.md) on one micro-batch, a token mean over ``mask``
+    with the off-policy weights (B19): ``(loss, stats)`` of :mod:`tether.core.losses`. GSPO clips its sequence
+    ratio by its own range (``ppo.gspo_clip_range``); the others clip token ratios by ``ppo.clip_range``."""
+    args = (logprobs, mb.logprobs_old, mb.advantages, mask)
+    if ppo.policy_loss in ("gspo", "gspo_token"):
+        return gspo_policy_loss(*args, ppo.gspo_clip_range, weights=mb.is_weights,
+                                clip_range_high=ppo.gspo_clip_range_high, token_level=ppo.policy_loss == "gspo_token")
+    loss_fn = cispo_policy_loss if ppo.policy_loss == "cispo" else ppo_policy_loss
+    return loss_fn(*args, ppo.clip_range, weights=mb.is_weights, clip_range_high=ppo.clip_range_high)
 
 
 def clip_and_step(optim, cfg, critic_only: bool) -> dict | None:

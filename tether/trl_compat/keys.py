@@ -28,6 +28,7 @@ TRL_KEYS: dict[str, dict[str, str]] = {
                   "max_completion_length": "generation.max_new_tokens", "response_length": "generation.max_new_tokens",
                   "max_prompt_length": "data.max_prompt_length", "temperature": "generation.temperature",
                   "top_p": "generation.top_p", "top_k": "generation.top_k", "epsilon": "ppo.clip_range",
+                  "epsilon_high": "ppo.clip_range_high", "importance_sampling_level": "ppo.policy_loss",
                   "cliprange": "ppo.clip_range", "cliprange_value": "ppo.clip_range_value", "vf_coef": "ppo.vf_coef",
                   "num_ppo_epochs": "ppo.epochs", "num_iterations": "ppo.epochs",
                   "num_mini_batches": "ppo.mini_batches",
@@ -75,7 +76,8 @@ TRL_HINTS: dict[str, str] = {
     "use_vllm": "`generation.engine: vllm`",
     "logging_steps": "every step is logged (metrics.jsonl)",
     "eval_strategy": "`eval.every` (0 = off)",
-    "loss_type": "`advantage.estimator` and `kl.penalty_in` (docs/group-baselines.md)",
+    "loss_type": "`ppo.policy_loss` (cispo: `cispo`; dapo, the token mean: the default `ppo`), "
+                 "`advantage.estimator` (dr_grpo) and `kl.penalty_in` (docs/losses.md, docs/group-baselines.md)",
     "scale_rewards": "`advantage.estimator` (grpo z-scores a group; dr_grpo does not)",
     "peft_config": "`model.lora_r`, `model.lora_alpha`, `model.lora_target_modules` (reward model: `lora.r`, ...)",
     "completion_only_loss": "prompt/completion rows always train the completion only; `text` rows every token",
