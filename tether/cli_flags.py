@@ -24,7 +24,7 @@ GROUPS = {
     "generation": ("generation", "the sampling engine and its settings"),
     "reward": ("reward", "what scores a response, and the gold rule of evaluation"),
     "acceptance": ("acceptance", "which samples are kept"),
-    "loss": ("loss", "the reward model's loss"),
+    "loss": ("loss", "the loss: the reward model's (train-rm), DPO's or IPO's (dpo)"),
     "KL": ("KL", "the KL tether to the reference: its coefficient beta and controller"),
     "PPO": ("PPO", "advantages, the clipped update and its epochs"),
     "critic": ("critic", "the value model"),
