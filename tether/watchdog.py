@@ -155,9 +155,11 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stop watching; a phase that alerted ends here (its ``hang_end`` row: the run went on to its end)."""
         global _current
         if _current is self:
             _current = None
+        self.enter(None)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)

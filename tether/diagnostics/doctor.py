@@ -29,6 +29,7 @@ import yaml
 from tether.config import config_from_dict
 from tether.diagnostics.gold import describe, with_problem_results
 from tether.diagnostics.groups import flat_groups_kind, flat_groups_prescriptions
+from tether.diagnostics.hangs import format_hang, read_hangs
 from tether.diagnostics.headline import (FLAT_KEY, FLAT_REWARD, collapsed_answers, flat_evidence, flat_reward,
                                          is_warning, level)
 from tether.diagnostics.health import (BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, TASK_DROPPED, Alert,
@@ -59,6 +60,7 @@ class Diagnosis:
     gold: list[dict] = field(default_factory=list)  # each evaluation against the best before it (GoldPoint)
     notes: list[str] = field(default_factory=list)  # warnings that are no alarm (a gold fall not confirmed)
     layout: str = ""  # the rollout layout the phases were measured in (C4), see rollout_layout
+    hang: dict = field(default_factory=dict)  # the run's first stall (several processes), see read_hangs
 
     def to_dict(self) -> dict:
         return {**asdict(self), "level": self.level}
@@ -267,6 +269,7 @@ def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Dia
     if d.failure_mode == SHORTCUT:
         d.evidence["answers"] = answers_beside_reference(run_dir, d.alarm_step)
     add_verdict(d, judge_run(run_dir), _prescribe(TASK_DROPPED, run_config))  # per problem: tether.diagnostics.shortcut
+    d.hang = read_hangs(run_dir)
     return d
 
 
@@ -345,7 +348,7 @@ def format_diagnosis(d: Diagnosis, run_dir: str | Path = "") -> str:
         lines.append(f"not checked (metric absent): {', '.join(d.unchecked)}")
     if d.phases and sum(d.phases.values()):
         lines.append(format_phases(d.phases, d.layout))
-    return "\n".join(lines)
+    return "\n".join(([format_hang(d.hang, run_dir)] if d.hang else []) + lines)  # a stall first: it names the rank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -366,11 +369,19 @@ def run(args: argparse.Namespace) -> int:
         config.persistence = args.persistence
     config.bands = list(config.bands) + list(args.band)
     config.validate()
-    rows = with_problem_results(load_metrics(args.run_dir), args.run_dir)
+    hang = read_hangs(args.run_dir) if Path(args.run_dir).is_dir() else {}
+    try:
+        rows = with_problem_results(load_metrics(args.run_dir), args.run_dir)
+    except TetherError:
+        if not hang:
+            raise
+        print(format_hang(hang, args.run_dir))  # stalled before its first metrics row: the stall is the verdict
+        return 1
     d = diagnose(rows, config, run_config=run_config)
+    d.hang = hang
     add_verdict(d, judge_run(args.run_dir), _prescribe(TASK_DROPPED, run_config))  # the held-out answers, per problem
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False))
     else:
         print(format_diagnosis(d, args.run_dir))
-    return 0 if d.healthy else 1
+    return 0 if d.healthy and d.hang.get("stalled", {}).get("ended", True) else 1  # a stall never left: 1

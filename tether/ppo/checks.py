@@ -63,6 +63,11 @@ def check_defaults_apply(cfg) -> None:
                  else "--eval-fraction 0 and no --eval-prompts")
         raise ConfigError(f"--eval-every {cfg.eval.every}: no held-out prompts to evaluate ({where}); give "
                           "--eval-prompts FILE or --eval-fraction F, or --eval-every 0")
+    if cfg.health.hang_seconds >= cfg.collective_timeout_minutes * 60:  # the collective would fail the run first
+        raise ConfigError(f"--hang-timeout {cfg.health.hang_seconds:g}: not below the collective timeout "
+                          f"({cfg.collective_timeout_minutes:g} min = {cfg.collective_timeout_minutes * 60:g} s), "
+                          "so no hang alert could come before the run fails; lower it or raise "
+                          "--collective-timeout-minutes")
 
 
 def check_policy_loss(cfg) -> None:

@@ -34,6 +34,7 @@ from tether.ppo.step import ppo_step
 from tether.rollout.layout import launch_layout
 from tether.rollout.server import serve
 from tether.trl_compat.arguments import ppo_arguments
+from tether.watchdog import mark, mark_step, phase, start_watchdog
 
 ALARM = "health alarm"
 
@@ -131,12 +132,15 @@ class PPOTrainer:
         # saved while no band was in alarm; the streak of steps with every update skipped (both in the checkpoints)
         self.healthy_checkpoints, self.skip_streak = from_health_book(book, self.run_dir)
         self.bar = Progress(run, cfg, self.steps_done)  # the start-up summary; per step a bar or a plain line
+        # One process cannot wait for another: the hang watchdog watches multi-process runs (docs/distributed.md).
+        self.watchdog = (start_watchdog(cfg.health.hang_seconds, run.processes.rank, self.run_dir)
+                         if run.processes.world_size > 1 else None)
         self.last_save = time.monotonic()
         self.stopped: str | None = None   # why the run stops before cfg.steps: a callback's reason or ALARM
         self.last_row: dict = {}
         self.result: TrainResult | None = None
         if run.data.eval_every and cfg.eval.at_start and self.steps_done == 0:
-            with self.log.closed_on_error():
+            with self.log.closed_on_error(), phase("eval"):
                 self.log.metrics(row0 := {"step": 0, **self.evaluated(0)})
                 self.bar.evaluated(row0)
 
@@ -159,12 +163,14 @@ class PPOTrainer:
                               if self.result is not None else f"PPOTrainer.step: all --steps {cfg.steps} are done; "
                               f"call train() to finish the run, or resume it with more --steps")
         step, self.stopped, self.callbacks.stop_reason = self.steps_done + 1, None, None  # a script may go on
+        mark_step(step)  # the phases the hang watchdog names are this step's (ppo_step's PhaseTimer marks them)
         metrics = ppo_step(run, cfg, step)
         notes = metrics.pop("health/notes", [])
         # B16: only a step stalled by non-finite values counts, not one with no group with spread (#51)
         self.skip_streak = self.skip_streak + 1 if metrics.pop("health/non_finite_stall", False) else 0
         if run.data.eval_every and (step % run.data.eval_every == 0 or step == cfg.steps):
-            metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
+            with phase("eval"):
+                metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
         record = StepRecord(step=step, metrics={"step": step, **metrics})
         row = self.callbacks("on_step_end", record, into=record.metrics)
         alerts = self.monitor.update(step, row, final=step == cfg.steps)
@@ -181,10 +187,12 @@ class PPOTrainer:
         alarm = run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback))
         stop = run.processes.broadcast(self.callbacks.stop_reason)
         if checkpoint_due(run, cfg, step, self.last_save) or (stop and not alarm and step < cfg.steps):
-            record.checkpoint = self.save(step)
+            with phase("checkpoint"):
+                record.checkpoint = self.save(step)
         if alarm or stop:
             self.stopped = ALARM if alarm else stop
             log.print(f"[{'health' if alarm else 'callback'}] stopping at step {step} ({self.stopped})")
+        mark(None)  # between steps the process is the caller's: not watched
         return record
 
     def train(self) -> TrainResult:
@@ -202,6 +210,7 @@ class PPOTrainer:
         if self.result is not None:
             return self.result
         run, cfg = self.run, self.cfg
+        mark("finish")  # roll-back, the ranks' weight digests, the export (process 0 writes, the others wait)
         self.bar.close()
         self.log.close()
         if self.stopped == ALARM and cfg.health.rollback:
@@ -212,6 +221,8 @@ class PPOTrainer:
         if policy is not None:
             self.callbacks("on_save", policy)
         run.processes.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if run.processes.world_size > 1:
             # The sharded or DDP-wrapped models (and their memory) go now: nothing may use them after the group is
             # destroyed. The group's gloo threads outlive this all the same (see processes.leave_without_teardown).
