@@ -245,5 +245,7 @@ def test_doctor_on_a_run_stalled_before_its_first_row_names_the_stall_and_exits_
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{tmp_path}: HANG: rank 1 stalled in 'reward' at step 1 for at least 301.5 s")
     assert "no end recorded" in out[0] and "(rank 0 in 'after reward')" in out[0]
+    assert main(["doctor", str(tmp_path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["hang"]["stalled"]["phase"] == "reward"
     (tmp_path / "alerts.jsonl").unlink()
     assert main(["doctor", str(tmp_path)]) == 2  # no stall and no metrics: the usual one-line error

@@ -375,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
     except TetherError:
         if not hang:
             raise
-        print(format_hang(hang, args.run_dir))  # stalled before its first metrics row: the stall is the verdict
+        # stalled before its first metrics row: the stall is the verdict
+        print(json.dumps({"hang": hang}, ensure_ascii=False) if args.json else format_hang(hang, args.run_dir))
         return 1
     d = diagnose(rows, config, run_config=run_config)
     d.hang = hang
