@@ -13,7 +13,15 @@ from launcher import accelerate_launch
 
 from tether.diagnostics.hangs import format_hang, read_hangs
 from tether.errors import ConfigError
-from tether.watchdog import Hang, Stall, Watchdog, alert_writer, stall_from_env, start_watchdog, utc
+from tether.watchdog import (
+    Hang,
+    Stall,
+    Watchdog,
+    alert_writer,
+    stall_from_env,
+    start_watchdog,
+    utc,
+)
 
 
 class FakeClock:

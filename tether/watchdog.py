@@ -26,11 +26,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from tether.errors import ConfigError
 
@@ -138,7 +138,7 @@ class Watchdog:
             self._alerted = state
         return Hang(self.rank, state[0], state[1], state[3], self.clock() - state[2], state[4])
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Start the thread and make this the process's watchdog (:func:`mark`)."""
         global _current
         poll = max(0.05, min(self.bound / 4, 5.0))  # an alert comes at most a quarter of the bound late
