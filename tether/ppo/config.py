@@ -126,6 +126,9 @@ class PPOConfig:
                               old_flags=("--ppo-target-kl",))
     early_stop_factor: float = option(1.5, "early-stop threshold in units of ppo.target_kl", low=0.0,
                                       low_open=True)
+    mask_truncated: bool = option(False, "DAPO's overlong filtering: rows cut by --max-new-tokens (no EOS) weigh "
+                                  "nothing in the policy, value, entropy and KL losses (they still count in the "
+                                  "scores, advantages and metrics)", flag="--mask-truncated")
 
 
 @dataclass
@@ -255,6 +258,9 @@ class RunConfig:
         if self.batch_size % self.ppo.mini_batches:
             raise ConfigError(f"--mini-batches: {self.ppo.mini_batches} does not divide --batch-size "
                               f"{self.batch_size}")
+        if self.reward.overlong_buffer > self.generation.max_new_tokens:
+            raise ConfigError(f"--overlong-buffer: {self.reward.overlong_buffer} tokens, more than --max-new-tokens "
+                              f"{self.generation.max_new_tokens} (the buffer is the last tokens of that budget)")
         if self.minibatch_size % self.ppo.grad_accumulation:
             raise ConfigError(f"--grad-accumulation: {self.ppo.grad_accumulation} does not divide the "
                               f"minibatch of {self.minibatch_size} rows")

@@ -118,9 +118,9 @@ def _draw_round(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
 
 
 def estimator_scores(run, cfg, rollout: Rollout, raw: RewardScores) -> torch.Tensor:
-    """(B,) the scores a group baseline would see for these rows (B4, B17): the sequence channel after the length
-    and missing-EOS penalties, normalisation and clip (:func:`~tether.ppo.sources.postprocess_scores` over this
-    draw's finite rows of all processes), plus the dense channel's sum; NaN where the raw scores are not finite
+    """(B,) the scores a group baseline would see for these rows (B4, B17): the sequence channel after the length,
+    missing-EOS and soft overlong penalties, normalisation and clip (:func:`~tether.ppo.sources.postprocess_scores`
+    over this draw's finite rows of all processes), plus the dense channel's sum; NaN where the raw scores are not finite
     (B16). Running normalisation reads a copy of the running moments: judging moves nothing, and the step's own
     scoring updates them once, as without dynamic sampling. Collective (every process judges every round)."""
     p = run.processes
@@ -128,7 +128,7 @@ def estimator_scores(run, cfg, rollout: Rollout, raw: RewardScores) -> torch.Ten
     on = p.device
     sequence = postprocess_scores(raw.sequence.to(on), rollout.lengths.to(on), rollout.ended_with_eos.to(on),
                                   cfg.reward, copy.deepcopy(run.data.running_scores), finite.to(on),
-                                  gather=p.all_gather).cpu()
+                                  gather=p.all_gather, max_new_tokens=cfg.generation.max_new_tokens).cpu()
     return torch.where(finite, sequence + raw.dense.sum(dim=1), torch.nan)
 
 

@@ -36,7 +36,9 @@ def launch_checklist(cfg) -> list[CheckItem]:
     critic_free = cfg.advantage.critic_free  # B17: no critic, so nothing to clip or warm up
     advantage = (f"{cfg.advantage.estimator}, K = {cfg.samples_per_prompt}" if critic_free
                  else "per-batch z-score" if p.whiten_advantages else "off")
-    length = f"alpha = {r.length_penalty:g} per token" if r.length_penalty else "off"
+    length = ", ".join(([f"alpha = {r.length_penalty:g} per token"] if r.length_penalty else [])
+                       + ([f"soft overlong over the last {r.overlong_buffer} tokens"] if r.overlong_buffer else [])
+                       ) or "off"
     norm = f"clip [-{r.clip:g}, {r.clip:g}]" if r.clip else "no clip"
     norm += f", normalize {r.normalize}"
     return [
@@ -64,7 +66,7 @@ def launch_checklist(cfg) -> list[CheckItem]:
         CheckItem("gradient clipping", f"max norm {cfg.optim.max_grad_norm:g}" if cfg.optim.max_grad_norm else "off",
                   "grad norm <= 1.0", 0 < cfg.optim.max_grad_norm <= 1.0, "**"),
         CheckItem("length penalty", length, "alpha * len (when the reward favours length)",
-                  r.length_penalty > 0, "**"),
+                  r.length_penalty > 0 or r.overlong_buffer > 0, "**"),
         CheckItem("frequent checkpoints", save, "every 50 steps",
                   0 < cfg.save_every <= 50 or cfg.steps <= 50, "**"),
     ]

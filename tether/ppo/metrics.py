@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tether.core.group import group_spread
+from tether.core.length import soft_overlong_penalty
 from tether.core.stats import quantile, repetition_counts
 from tether.ppo.perf import PhaseTimer, padding_fraction, prompt_shares, step_flops
 from tether.rollout.records import Rollout
@@ -100,6 +101,26 @@ def response_metrics(p, rollout: Rollout) -> dict:
             "response/length_max": p.global_max(lengths.max()),
             "response/truncated_fraction": global_masked_mean(p, (~rollout.ended_with_eos).float(), every_row),
             "response/repetition": p.global_sum(repeated) / max(p.global_sum(n_grams), 1.0)}
+
+
+def overlong_metrics(p, rollout: Rollout, max_new_tokens: int, buffer: int, factor: float) -> dict:
+    """``--overlong-buffer`` (B4-overlong): the mean over every row of all processes of the soft overlong penalty
+    added to the score, and the share of rows past max_new_tokens − buffer (in the buffer: penalised). {} when off."""
+    if not buffer:
+        return {}
+    lengths = rollout.lengths
+    every_row = torch.ones_like(lengths, dtype=torch.bool)
+    penalty = soft_overlong_penalty(lengths, max_new_tokens, buffer, factor)
+    return {"reward/overlong_penalty_mean": global_masked_mean(p, penalty, every_row),
+            "reward/overlong_fraction": global_masked_mean(p, (lengths > max_new_tokens - buffer).float(), every_row)}
+
+
+def truncation_mask_metrics(p, valid: torch.Tensor, loss_rows: torch.Tensor | None) -> dict:
+    """``--mask-truncated``: the share of the kept rows (``valid``, all processes) the losses skip (``loss_rows``
+    False: cut by max_new_tokens). {} when off (``loss_rows`` None)."""
+    if loss_rows is None:
+        return {}
+    return {"ppo/truncated_masked_fraction": global_masked_mean(p, (~loss_rows).float(), valid)}
 
 
 def sampler_gap_metrics(p, rollout: Rollout, logprobs_old: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -36,6 +36,7 @@ class Experience:
     returns: torch.Tensor          # (B, T) R_t = Â_t + V_old(s_t) before whitening (B7); no critic: rewards-to-go
     valid: torch.Tensor | None = None  # (B,) bool: False = row dropped from the update (non-finite, B16)
     is_weights: torch.Tensor | None = None  # (B, T) w_t of the off-policy correction (B19); None: --rollout-correction none
+    loss_rows: torch.Tensor | None = None  # (B,) bool: False = a kept row the losses skip (--mask-truncated); None: all
 
     def __len__(self) -> int:
         return len(self.rollout)
@@ -46,6 +47,14 @@ class Experience:
         passes keep using ``rollout.response_mask`` (the attention mask of what was generated)."""
         mask = self.rollout.response_mask
         return mask if self.valid is None else mask * self.valid[:, None].to(mask.dtype)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(B, T) the tokens the losses and their normaliser count: :attr:`response_mask`, zero also on the rows
+        ``loss_rows`` leaves out (DAPO's overlong filtering: a truncated row keeps its place and its part in the
+        scores, advantages and metrics, and weighs nothing in any loss)."""
+        mask = self.response_mask
+        return mask if self.loss_rows is None else mask * self.loss_rows[:, None].to(mask.dtype)
 
     def select(self, index: torch.Tensor) -> "Experience":
         return select_rows(self, index)

@@ -28,10 +28,12 @@ from tether.ppo.metrics import (
     global_masked_mean,
     group_metrics,
     objective_metrics,
+    overlong_metrics,
     perf_metrics,
     response_metrics,
     sampler_gap_metrics,
     throughput_metrics,
+    truncation_mask_metrics,
     value_metrics,
 )
 from tether.ppo.noop import advantage_metrics, after_update, before_update
@@ -106,9 +108,10 @@ def ppo_step(run, cfg, step: int) -> dict:
         (response_mask, logprobs_old, logprobs_ref, entropy, values_old, last_values, sequence_raw,
          step_rewards) = zero_rows(valid, response_mask, logprobs_old, logprobs_ref, entropy, values_old,
                                    last_values, rewards_raw.sequence.to(p.device), rewards_raw.dense.to(p.device))
-        # 5c. B4's penalties, normalisation and clip on the sequence channel (over all processes' kept rows).
+        # 5c. B4's penalties (length, missing EOS, overlong), normalisation, clip (over all processes' kept rows).
         sequence_scores = postprocess_scores(sequence_raw, rollout.lengths, rollout.ended_with_eos, cfg.reward,
-                                             d.running_scores, valid, gather=p.all_gather)
+                                             d.running_scores, valid, gather=p.all_gather,
+                                             max_new_tokens=cfg.generation.max_new_tokens)
         # 5d. Per-token rewards (B5): −β·KL_t on every token (β = 0 here when the KL is a loss term instead,
         # kl.penalty_in), the sequence score on the last one, each step reward on the token that ends its step.
         kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator, k3_clip=cfg.kl.k3_clip) * response_mask  # (B, T)
@@ -126,13 +129,15 @@ def ppo_step(run, cfg, step: int) -> dict:
                             logprobs_ref=logprobs_ref, values_old=values_old, last_values=last_values,
                             scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                             valid=valid, is_weights=step_correction_weights(cfg, rollout, logprobs_old,
-                                                                            response_mask))  # B19
+                                                                            response_mask),  # B19
+                            loss_rows=rollout.ended_with_eos.to(valid.device) if cfg.ppo.mask_truncated else None)
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     any_kept = bool(p.global_sum(valid.sum()) > 0)
+    any_trained, notes = trained_rows_left(p, experience, any_kept, notes)
     trained = before_update(run, cfg, step)  # the engine's weight version; the snapshot for ppo/param_update_norm
     with timer("train"), torch.enable_grad():  # every row dropped: no update (a step on zero gradients moves Adam)
-        train_stats, epochs_run = (ppo_epochs(run, cfg, experience, step) if any_kept
+        train_stats, epochs_run = (ppo_epochs(run, cfg, experience, step) if any_trained
                                    else ({"health/skipped_updates": 0, "ppo/updates": 0}, 0))
     trained.update(after_update(run, train_stats))  # the no-op checks (tether.ppo.noop)
 
@@ -146,6 +151,19 @@ def ppo_step(run, cfg, step: int) -> dict:
     metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run,
                            any_kept)
     return step_result(run, step, batch, {**metrics, **trained}, train_stats, finite, notes)
+
+
+def trained_rows_left(p, experience: Experience, any_kept: bool, notes: list[str]) -> tuple[bool, list[str]]:
+    """Whether any process holds a row the losses train on, and the alert lines with one more when
+    ``--mask-truncated`` left none (every kept row cut by max_new_tokens): the update is then skipped — its
+    losses would be 0/0 and a step on zero gradients still moves Adam — and the step is not a non-finite stall."""
+    if experience.loss_rows is None or not any_kept:
+        return any_kept, notes
+    trained = experience.valid & experience.loss_rows
+    if p.global_sum(trained.sum()) > 0:
+        return True, notes
+    return False, notes + ["--mask-truncated: every kept row was cut by --max-new-tokens (no EOS), so nothing is "
+                           "left to train on: this step's update is skipped"]
 
 
 def step_result(run, step: int, batch, metrics: dict, train_stats: dict, finite: torch.Tensor,
@@ -222,6 +240,7 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience | 
         **(value_metrics(p, e.values_old, e.returns, e.response_mask) if e.values_old is not None else {}),
         **sampler_gap_metrics(p, rollout, e.logprobs_old, e.response_mask),
         **correction_metrics(p, cfg, rollout, e.logprobs_old, e.response_mask),
+        **truncation_mask_metrics(p, e.valid, e.loss_rows),
         **advantage_metrics(p, e.advantages, e.response_mask),
     } if any_kept else {"objective/kl_coef": beta_used}
     kept_tokens = rollout.lengths[e.valid.to(rollout.lengths.device)].sum() if e is not None else 0
@@ -230,6 +249,8 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience | 
         **group_metrics(p, drawn, torch.isfinite(drawn), cfg.samples_per_prompt),
         **(curriculum.summary() if curriculum is not None else {}),
         **response_metrics(p, rollout),
+        **overlong_metrics(p, rollout, cfg.generation.max_new_tokens, cfg.reward.overlong_buffer,
+                           cfg.reward.overlong_penalty_factor),
         **perf_metrics(timer, p.global_sum(batch.generated[1].sum().float()),
                        p.global_sum(torch.as_tensor(kept_tokens).float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps,

@@ -111,8 +111,8 @@ def loss_normaliser(cfg, experience: Experience) -> torch.Tensor:
     """What the token terms of the loss over ``experience``'s rows are divided by: their valid tokens (a token
     mean, B9), or for Dr. GRPO their kept rows × max_new_tokens, a constant per response (Liu et al. 2025 §3.1:
     a token of a long response weighs what one of a short response does, so length is not rewarded by the
-    normalisation)."""
-    mask = experience.response_mask
+    normalisation). Rows ``--mask-truncated`` leaves out count in neither (:attr:`Experience.loss_mask`)."""
+    mask = experience.loss_mask
     if cfg.advantage.estimator == "dr_grpo":
         return mask.any(dim=1).sum() * cfg.generation.max_new_tokens
     return mask.sum()
@@ -124,7 +124,7 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
     k3(π, π_ref) = π_ref/π − log(π_ref/π) − 1 (GRPO's, Shao et al. 2024 eq. 4). The entropy's graph is built
     only when c2 > 0: over a large vocabulary its softmax is the biggest tensor saved for backward."""
     m = run.models
-    mask = mb.response_mask.float()
+    mask = mb.loss_mask.float()  # --mask-truncated: a truncated row's tokens weigh nothing in any loss term
     entropy_coef = cfg.ppo.entropy_coef
     with m.precision.autocast():  # the forwards only: log-probs, values and the losses are fp32
         with (torch.no_grad() if critic_only else torch.enable_grad()):

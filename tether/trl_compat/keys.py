@@ -36,6 +36,7 @@ TRL_KEYS: dict[str, dict[str, str]] = {
                   "lr_scheduler_type": "optim.schedule", "model_name_or_path": "model.policy",
                   "sft_model_path": "model.policy", "reward_model_path": "reward.sources",
                   "missing_eos_penalty": "reward.missing_eos_penalty", "eval_steps": "eval.every",
+                  "mask_truncated_completions": "ppo.mask_truncated",
                   "gradient_checkpointing": "model.gradient_checkpointing"},
     "SFTConfig": {**_COMMON, "num_train_epochs": "optim.epochs", "max_steps": "optim.max_steps",
                   "per_device_train_batch_size": "optim.batch_size",
