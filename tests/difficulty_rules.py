@@ -4,6 +4,18 @@ The K samples of a prompt are adjacent rows of every call (one round's batch), s
 K = 4
 
 
+def filter_cfg(tmp_path, files, reward="difficulty_rules:flat_for_even", **overrides):
+    """A GRPO run with --filter-groups on the tiny models (``files``: policy dir, prompts file), K = 4, 4 groups a
+    step. Rounds of exactly --batch-size prompts (difficulty.oversample 1), as the counts these tests assert were
+    worked out for; tests/test_oversample.py tests the sized rounds of the default."""
+    from tiny import tiny_config
+
+    settings = dict(samples_per_prompt=K, advantage__estimator="grpo", batch_size=4, ppo__mini_batches=2,
+                    difficulty__filter_groups=True, difficulty__oversample=1.0, reward__sources=[reward],
+                    generation__max_new_tokens=4)
+    return tiny_config(tmp_path, *files, **{**settings, **overrides})
+
+
 def is_flat(prompt: str) -> bool:
     """The prompts whose groups get no spread: those starting with an even digit."""
     return int(prompt[0]) % 2 == 0

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from difficulty_rules import K, is_flat
+from difficulty_rules import K, filter_cfg, is_flat
 from launcher import accelerate_launch
-from tiny import make_policy_dir, make_prompts_file, tiny_config
+from tiny import make_policy_dir, make_prompts_file
 
 from tether.ppo.curriculum import Curriculum
 from tether.ppo.draw import draw_step_batch
@@ -25,10 +25,7 @@ def files(tmp_path_factory):
     return make_policy_dir(root), make_prompts_file(root, n=40)
 
 
-def _cfg(tmp_path, files, reward="difficulty_rules:flat_for_even", **overrides):
-    settings = dict(samples_per_prompt=K, advantage__estimator="grpo", batch_size=4, ppo__mini_batches=2,
-                    difficulty__filter_groups=True, reward__sources=[reward], generation__max_new_tokens=4)
-    return tiny_config(tmp_path, *files, **{**settings, **overrides})
+_cfg = filter_cfg
 
 
 def test_flat_groups_are_dropped_and_replaced_by_the_next_draws(files, tmp_path):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from difficulty_rules import K
+from difficulty_rules import K, filter_cfg
 from launcher import accelerate_launch
 from tiny import make_policy_dir, make_prompts_file, tiny_config
 
@@ -29,10 +29,7 @@ def files(tmp_path_factory):
     return make_policy_dir(root), make_prompts_file(root, n=40)
 
 
-def _cfg(tmp_path, files, reward="difficulty_rules:flat_for_even", **overrides):
-    settings = dict(samples_per_prompt=K, advantage__estimator="grpo", batch_size=4, ppo__mini_batches=2,
-                    difficulty__filter_groups=True, reward__sources=[reward], generation__max_new_tokens=4)
-    return tiny_config(tmp_path, *files, **{**settings, **overrides})
+_cfg = filter_cfg
 
 
 def _recording(run, cfg, step, rounds):

@@ -40,6 +40,9 @@ class KLConfig:
                              "kl.estimator; the objective is reward - beta * KL) or 'loss' (beta * k3(pi, pi_ref) "
                              "token mean added to the policy loss, as GRPO; the reward is the score alone)",
                              choices=("reward", "loss"), flag="--kl-in")
+    reference: str = option("auto", "the reference forward: 'auto' skips it when beta = 0 throughout (kl.coef 0, "
+                            "fixed controller, --kl-in reward), the KL metrics then not computed; 'always' runs it "
+                            "(objective/kl* reported)", choices=("auto", "always"), flag="--kl-reference")
 
 
 @dataclass
@@ -69,9 +72,13 @@ class DifficultyConfig:
                                  "equal: every group baseline gives it advantage 0) is dropped and more prompts are "
                                  "drawn until the step holds --batch-size groups with spread; needs "
                                  "--samples-per-prompt >= 2", flag="--filter-groups")
-    max_rounds: int = option(4, "--filter-groups: extra draws of --batch-size prompts at most per step; reached, the "
+    max_rounds: int = option(4, "--filter-groups: extra rounds of drawing at most per step; reached, the "
                              "step trains on the groups it has (filter/groups_short, one warning line)", low=0,
                              flag="--filter-max-rounds")
+    oversample: float = option(0.0, "--filter-groups: prompts the first round draws, as a multiple of --batch-size; "
+                               "0 = sized from the recent steps' share of groups with no spread (the first step "
+                               "draws --batch-size), 1 = rounds of exactly --batch-size prompts",
+                               low=0.0, flag="--filter-oversample")
     curriculum: bool = option(False, "an online prompt curriculum: each prompt's pass rate over its last "
                               "difficulty.memory visits is remembered (checkpointed); prompts that passed all or none "
                               "of their samples in every remembered visit are drawn with weight "
@@ -112,10 +119,15 @@ class PPOConfig:
     whiten_advantages: bool = option(True, "z-score GAE's advantages over the batch's valid tokens; the "
                                      "critic-free estimators do what theirs prescribes (reinforce_pp always, the "
                                      "group baselines never)")
-    packing: bool = option(False, "pack every policy and reference forward: each distinct prompt once, followed by "
-                           "its K responses' tokens, with a block attention mask and positions restarting per "
-                           "response (no prompt copies, no padding; the same log-probs to float rounding, checked on "
-                           "the model at start-up); pays most with K > 1 and long prompts", flag="--packing")
+    packing: bool | None = option(None, "pack every policy and reference forward: each distinct prompt once, followed "
+                                  "by its K responses' tokens, with a block attention mask and positions restarting "
+                                  "per response (no prompt copies, no padding; the same log-probs to float rounding, "
+                                  "checked on the model at start-up); null (default) = on when K > 1 and the check "
+                                  "passes (not under FSDP2), --no-packing = padded rows", flag="--packing")
+    old_logprobs: str = option("auto", "log pi_old: 'auto' takes it from the training forward (no separate pass) when "
+                               "provably equal: one epoch, one minibatch, no --async-rollout, no KL in the reward, "
+                               "no value head, no rollout correction (docs/performance.md); 'forward' always runs "
+                               "the separate pass", choices=("auto", "forward"), flag="--old-logprobs")
     trim_padding: bool = option(True, "train on micro-batches of similar lengths with their all-padding columns "
                                 "cut (same loss and gradients, less compute)")
     early_stop: bool = option(True, "stop the epoch loop after an epoch whose mean approx KL to pi_old > "
@@ -177,6 +189,10 @@ class EvalConfig:
     kl_n: int = option(32, "held-out responses whose KL to the reference is computed (eval/kl_sequence, each sample's "
                        "kl): the first N, the same problems at every evaluation, the written samples among them; "
                        "a policy and a reference forward over each; 0 = all", low=0, flag="--eval-kl-n")
+    keep_best: bool = option(False, "after each evaluation that beats every earlier one (strictly higher held-out "
+                             "gold accuracy, else held-out reward; a tie keeps the earlier), write its checkpoint and "
+                             "the policy as a plain model to RUN_DIR/best (never rotated; best.json says which step); "
+                             "docs/reliability.md", flag="--keep-best")
 
 
 @accepts_trl_keys  # TRL's flat names (learning_rate=...) accepted; other unknown keywords get a hint
@@ -282,6 +298,9 @@ class RunConfig:
         if estimator in GROUP_BASELINES and self.samples_per_prompt < 2:
             raise ConfigError(f"--advantage {estimator}: needs --samples-per-prompt of at least 2 (its baseline "
                               f"is the other samples of the same prompt), got {self.samples_per_prompt}")
+        if 0 < self.difficulty.oversample < 1:
+            raise ConfigError(f"difficulty.oversample (--filter-oversample): 0 (sized from the run) or at least 1, "
+                              f"got {self.difficulty.oversample:g}")
         if self.difficulty.filter_groups and self.generation.async_rollout:
             raise ConfigError("--filter-groups with --async-rollout 1: the extra rounds would sample after the batch in "
                               "flight was sent, from weights one update newer; use one or the other")

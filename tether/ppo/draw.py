@@ -6,9 +6,22 @@ Dynamic sampling. A group whose scores, as the estimator sees them, are all equa
 ones) gives every group baseline advantage 0: its samples teach nothing. The scores judged are B4's — the raw
 scores after the length and missing-EOS penalties, normalisation and clip, plus a dense channel's sum
 (:func:`estimator_scores`) — not the raw ones: four right replies of different lengths have spread under a length
-penalty, and raw 6..9 clipped to 5 have none. Such groups are dropped, and another ``--batch-size`` prompts are
-drawn and sampled, until this process holds ``--batch-size`` groups with spread or ``difficulty.max_rounds`` extra
-rounds have run. Every process takes part in every round (generation is collective with a sharded policy, a
+penalty, and raw 6..9 clipped to 5 have none. Such groups are dropped, and more prompts are drawn and
+sampled, until this process holds ``--batch-size`` groups with spread or ``difficulty.max_rounds`` extra rounds have
+run.
+
+One oversampled round (DAPO's generation batch larger than its train batch). Decoding a small model is bound by
+reading its weights once per decode step, so a round's cost is set by its decode steps, not its rows: three rounds
+of G prompts cost about three times one round of 3G. So the first round draws enough prompts to fill the batch with
+groups that have spread, as the run knows its flat share — an average of the recent steps' share of drawn groups
+with no spread (checkpointed with the prompt stream; the curriculum's down-weighting of solved prompts shows in it)
+— and an extra round draws what is still missing, sized the same way (:func:`prompts_to_draw`). The first step knows
+nothing and draws ``--batch-size``. Sized rounds draw each prompt at most once a step: at most the prompts the step
+has not drawn, and no extra round once it has drawn them all. ``difficulty.oversample`` fixes the factor instead; 1
+is the rounds of exactly ``--batch-size`` prompts of earlier versions. Surplus groups with spread are dropped as the
+rule says: the first ``--batch-size`` in draw order are kept.
+
+Every process takes part in every round (generation is collective with a sharded policy, a
 tensor-parallel engine or rollout processes), so the rounds end when *every* process is full: a process already
 full samples the round too and keeps nothing of it. Each process fills its own share from its own prompts.
 
@@ -22,6 +35,7 @@ rows carry no weight in any loss (``kept`` False).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -54,7 +68,9 @@ def draw_step_batch(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
     returns their :class:`~tether.ppo.offpolicy.Batch` (:func:`tether.ppo.step.sample_batch`); an engine with its
     own weights has been synced already. Records one curriculum visit per prompt the step sampled."""
     run.data.prompts.begin_step()
-    rounds = [_draw_round(run, cfg, timer, sample)]
+    first = (first_round_size(cfg, run.data.prompts.flat_share, _undrawn(run, cfg, []))
+             if cfg.difficulty.filter_groups else None)
+    rounds = [_draw_round(run, cfg, timer, sample, first)]
     out, metrics = _filled(run, cfg, timer, sample, rounds) if cfg.difficulty.filter_groups else (rounds[0], {})
     record_visits(run, cfg, rounds)
     generated = (torch.cat([b.rollout.query_mask.sum(dim=1).cpu() for b in rounds]),
@@ -72,9 +88,15 @@ def _filled(run, cfg, timer: PhaseTimer, sample, rounds: list[StepBatch]) -> tup
     have = int((~flat).sum())
     extra, extra_seconds = 0, 0.0
     while p.global_min(torch.tensor(float(have))) < groups and extra < cfg.difficulty.max_rounds:
+        if not cfg.difficulty.oversample and _undrawn(run, cfg, rounds) <= 0:
+            break  # a sized step has drawn every prompt once: it trains on what it has
         extra += 1
         before = sum(timer.seconds.values())
-        batch = _draw_round(run, cfg, timer, sample)
+        drawn_flat = p.global_sum(torch.tensor(float(sum(int(f.sum()) for f in flats))))
+        drawn_groups = p.global_sum(torch.tensor(float(sum(len(f) for f in flats))))
+        missing = int(p.global_max(torch.tensor(float(max(groups - have, 0)))))  # every process draws alike
+        size = extra_round_size(cfg, missing, drawn_flat / drawn_groups, _undrawn(run, cfg, rounds))
+        batch = _draw_round(run, cfg, timer, sample, size)
         extra_seconds += sum(timer.seconds.values()) - before
         rounds.append(batch)
         if have < groups:  # a full process samples the round too (collective) and keeps nothing of it
@@ -91,7 +113,12 @@ def _filled(run, cfg, timer: PhaseTimer, sample, rounds: list[StepBatch]) -> tup
     out = _select_groups(batches, spread + filler, k, run.models.tokenizer.pad_token_id)
     kept = torch.ones(len(out.responses), dtype=torch.bool)
     kept[len(spread) * k:] = False
-    metrics = {"filter/prompts_drawn": p.global_sum(torch.tensor(float(groups * (extra + 1)))),
+    all_flats = torch.cat([_flat_groups(b.drawn_scores, k) for b in rounds])
+    step_flat = p.global_sum(all_flats.sum().float()) / p.global_sum(torch.tensor(float(len(all_flats))))
+    stream = run.data.prompts
+    stream.flat_share = step_flat if stream.flat_share is None else 0.5 * stream.flat_share + 0.5 * step_flat
+    metrics = {"filter/prompts_drawn": p.global_sum(torch.tensor(float(len(all_flats)))),
+               "filter/flat_share": step_flat, "filter/first_round_prompts": float(len(rounds[0].rows) // k),
                "filter/groups_kept": p.global_sum(torch.tensor(float(len(spread)))),
                "filter/groups_short": p.global_sum(torch.tensor(float(short))),
                "filter/rounds": float(extra), "perf/seconds_filter": p.global_max(torch.tensor(extra_seconds))}
@@ -102,10 +129,55 @@ def _filled(run, cfg, timer: PhaseTimer, sample, rounds: list[StepBatch]) -> tup
     return replace(out, kept=kept), metrics
 
 
-def _draw_round(run, cfg, timer: PhaseTimer, sample) -> StepBatch:
-    """One draw of ``--batch-size`` prompts: K samples each, scored, and judged as the estimator sees the scores."""
+def _undrawn(run, cfg, rounds: list[StepBatch]) -> int:
+    """Prompts per process the step has not drawn yet (every process draws as many a round)."""
+    drawn = sum(len(b.rows) for b in rounds) // cfg.samples_per_prompt
+    return (len(run.data.prompts.rows) // run.processes.world_size) - drawn
+
+
+def first_round_size(cfg, flat_share: float | None, undrawn: int) -> int:
+    """Prompts per process of a step's first round under ``--filter-groups`` (module docstring): sized rounds draw
+    at most the ``undrawn`` prompts (a step's prompts stay distinct), and never fewer than ``--batch-size``."""
+    groups = cfg.batch_size
+    cap = max(groups, min(groups * (cfg.difficulty.max_rounds + 1), undrawn))
+    if cfg.difficulty.oversample:
+        return min(math.ceil(groups * cfg.difficulty.oversample), cap)
+    if flat_share is None:
+        return groups
+    return prompts_to_draw(groups, flat_share, cap)
+
+
+def extra_round_size(cfg, missing: int, flat_share: float, undrawn: int) -> int:
+    """Prompts per process of an extra round, short of ``missing`` groups with spread: sized from this step's flat
+    share so far, at least ``--batch-size`` (a round's decode steps cost the same for fewer rows) unless fewer
+    prompts are left undrawn in the step."""
+    groups = cfg.batch_size
+    if cfg.difficulty.oversample:
+        return groups
+    cap = min(groups * (cfg.difficulty.max_rounds + 1), undrawn)
+    return min(max(groups, prompts_to_draw(missing, flat_share, cap)), cap)
+
+
+def prompts_to_draw(needed: int, flat_share: float, cap: int, z: float = 1.5) -> int:
+    """The fewest prompts n whose groups with spread reach ``needed`` with some margin, each group flat with
+    probability f = ``flat_share`` independently: the smallest n with
+
+        n (1 - f) - z sqrt(n f (1 - f)) >= needed,
+
+    (the binomial count's mean less z standard deviations; z = 1.5: short about one time in fifteen), at least
+    ``needed``, at most ``cap``. f is held to at most 0.95, where a round would need 20 prompts a group."""
+    f = min(max(float(flat_share), 0.0), 0.95)
+    n = max(needed, 1)
+    while n < cap and n * (1 - f) - z * math.sqrt(n * f * (1 - f)) < needed:
+        n += 1
+    return min(n, cap)
+
+
+def _draw_round(run, cfg, timer: PhaseTimer, sample, n: int | None = None) -> StepBatch:
+    """One draw of ``n`` prompts (default ``--batch-size``): K samples each, scored, and judged as the estimator
+    sees the scores."""
     m, d = run.models, run.data
-    sampled = sample()
+    sampled = sample() if n in (None, cfg.batch_size) else sample(n)
     rows, rollout, responses = sampled.rows, sampled.rollout, sampled.responses
     with timer("reward"):  # the reward sources (B4, A9): sequence scores and a process RM's dense step rewards
         rewards_raw = score_rollout(d.sources, [r["prompt"] for r in rows], responses, collate_fields(rows),

@@ -48,7 +48,7 @@ def split_held_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[d
 class PromptStream:
     """Seeded, reshuffled each epoch, split across ranks; ``state_dict`` is the data position (B14). With a
     :class:`~tether.ppo.curriculum.Curriculum` each draw is weighted by the prompts' recent pass rates instead: one
-    draw of ``batch_size`` × world size for all processes (seeded by seed and the draw count, each rank its slice),
+    draw of ``n`` (``batch_size`` unless dynamic sampling oversamples) × world size for all processes (seeded by seed and the draw count, each rank its slice),
     without replacement within a step (:meth:`begin_step`), and its table is state too."""
 
     rows: list[dict]
@@ -61,47 +61,49 @@ class PromptStream:
     curriculum: Curriculum | None = None
     draws: int = 0
     taken: torch.Tensor | None = None  # (len(rows),) bool: the prompts the curriculum drew this step (this pass)
+    flat_share: float | None = None    # --filter-groups: recent steps' share of drawn groups with no spread (EMA)
 
     def _order(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         return torch.randperm(len(self.rows), generator=g).tolist()
 
-    def draw(self) -> tuple[list[int], list[dict]]:
-        """This rank's ``batch_size`` prompts: their indices in ``rows`` and the rows."""
-        indices = self._next_indices()
+    def draw(self, n: int | None = None) -> tuple[list[int], list[dict]]:
+        """This rank's ``n`` prompts (default ``batch_size``; every rank draws the same ``n``): their indices in
+        ``rows`` and the rows."""
+        indices = self._next_indices(self.batch_size if n is None else n)
         return indices, [self.rows[i] for i in indices]
 
-    def next_batch(self) -> list[dict]:
-        return self.draw()[1]
+    def next_batch(self, n: int | None = None) -> list[dict]:
+        return self.draw(n)[1]
 
     def begin_step(self) -> None:
         """A new step: the curriculum may draw every prompt again (a step's rounds draw without replacement)."""
         self.taken = None
 
-    def _next_indices(self) -> list[int]:
+    def _next_indices(self, n: int) -> list[int]:
         if self.curriculum is not None:  # one draw for all processes (the same seed, the same table), rank's slice
             self.draws += 1
             if self.taken is None:
                 self.taken = torch.zeros(len(self.rows), dtype=torch.bool)
-            every = self.curriculum.draw(self.batch_size * self.world_size,
-                                         self.seed * 1_000_003 * 100_003 + self.draws, self.taken)
-            return every[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        stride = self.batch_size * self.world_size
+            every = self.curriculum.draw(n * self.world_size, self.seed * 1_000_003 * 100_003 + self.draws,
+                                         self.taken)
+            return every[self.rank * n:(self.rank + 1) * n]
+        stride = n * self.world_size
         if self.cursor + stride > len(self.rows):
             if stride > len(self.rows):
                 # Fewer prompts than a step needs: sample with wrap-around inside one permutation.
                 order = self._order()
-                start = self.cursor + self.rank * self.batch_size
+                start = self.cursor + self.rank * n
                 self.cursor += stride
-                return [order[(start + i) % len(order)] for i in range(self.batch_size)]
+                return [order[(start + i) % len(order)] for i in range(n)]
             self.epoch, self.cursor = self.epoch + 1, 0
         order = self._order()
-        start = self.cursor + self.rank * self.batch_size
+        start = self.cursor + self.rank * n
         self.cursor += stride
-        return order[start:start + self.batch_size]
+        return order[start:start + n]
 
     def state_dict(self) -> dict:
-        state = {"epoch": self.epoch, "cursor": self.cursor, "draws": self.draws}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "draws": self.draws, "flat_share": self.flat_share}
         if self.curriculum is not None:
             state["curriculum"] = self.curriculum.state_dict()
         return state
@@ -109,5 +111,6 @@ class PromptStream:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.draws = int(state.get("draws", 0))
+        self.flat_share = state.get("flat_share")
         if self.curriculum is not None and "curriculum" in state:
             self.curriculum.load_state_dict(state["curriculum"])
