@@ -15,7 +15,7 @@ from tether.pipeline.run import MARKER, RLHFPipeline
 from tiny import make_policy_dir, make_prompts_file
 
 ARM = "ppo_beta0.04_r0"  # the tethered arm of round 0: the one killed inside
-EARLY = ("task", "pairs_r0", "rm_r0")  # the stages complete before the kill between stages
+EARLY = ("task", "sft", "pairs_r0", "rm_r0")  # the stages complete before the kill between stages
 
 
 class Killed(Exception):
@@ -37,8 +37,11 @@ def config(root, policy, prompts, **over) -> dict:
     (root / "sample.yaml").write_text("accept:\n  require_eos: false\n")  # 6-token random replies rarely end
     # sampled held-out answers: a random policy's greedy ones are one text for every prompt, whose gold never moves
     (root / "ppo.yaml").write_text("eval:\n  greedy: false\n")
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    (root / "sft.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "completion": "1" + r["answer"]}) + "\n"
+                                            for r in rows))
     cfg = {"output_dir": str(root / "out"), "estimate": False,
-           "model": {"policy": str(policy)},
+           "model": {"policy": str(policy)}, "sft": {"data": str(root / "sft.jsonl"), "steps": 2},
            "task": {"prompts": str(prompts), "gold": "pipeline_rules:has_one", "max_new_tokens": 6, "temperature": 1.0},
            "pairs": {"samples_per_prompt": 4, "batch_size": 16, "length_gap": 0, "config": str(root / "sample.yaml")},
            "rm": {"epochs": 1, "batch_size": 8},
@@ -90,6 +93,11 @@ def test_every_stage_arm_and_round(runs):
     assert set(results["pairs"]) == {"pairs_r0", "pairs_r1"} and set(results["reward_models"]) == {"rm_r0", "rm_r1"}
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["arms"].keys() == results["arms"].keys()
+    # SFT first: the pairs are the SFT policy's, the reward model is initialised from it, the arms start from it
+    assert results["pairs"]["pairs_r0"]["policy"] == str(out / "sft")
+    assert results["reward_models"]["rm_r0"]["backbone"] == str(out / "sft")
+    assert f"policy: {out / 'sft'}" in (out / "ppo_beta0_r0" / "config.yaml").read_text()
+    assert json.loads((out / "sft" / MARKER).read_text())["steps"] == 2
     # the refresh round: pairs from the tethered arm's policy, a reward model on both rounds' pairs, PPO from it
     assert results["pairs"]["pairs_r1"]["policy"] == str(out / ARM / "policy")
     assert results["reward_models"]["rm_r1"]["pairs_files"] == [str(out / f"pairs_r{r}" / "pairs.jsonl")
@@ -110,12 +118,16 @@ def test_every_stage_arm_and_round(runs):
                 assert rr["s_per_step"] > 0 and rr["doctor"]["level"] in ("HEALTHY", "WARNING", "UNHEALTHY")
             for e in rr["evals"]:
                 assert e["p_vs_step0"] == pytest.approx(exact_mcnemar(e["gained"], e["lost"]))
+    if dpo_available():  # the DPO arm: trained on pairs_r0 from the same start, judged on the same problems
+        dpo = json.loads((out / "dpo_r0" / MARKER).read_text())
+        assert isinstance(dpo["preference_accuracy"], float) and dpo["steps"] > 0
+        assert dpo["eval"]["eval/n"] == results["step0"]["n"] == len(dpo["eval"]["eval/correct"])
     report = (out / "report.md").read_text()
     assert all(f"| {arm} | " in report for arm in arms) and "Wilson" in report
 
 
 def exact_mcnemar(b: int, c: int) -> float:
-    """Two-sided exact McNemar by the binomial sum, written out: 2 · P(X ≤ min(b, c)), X ~ Bin(b + c, ½), at most 1."""
+    """Two-sided exact McNemar by the binomial sum : 2 · P(X ≤ min(b, c)), X ~ Bin(b + c, ½), at most 1."""
     n = b + c
     if n == 0:
         return 1.0

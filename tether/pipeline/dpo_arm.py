@@ -43,7 +43,7 @@ def dpo_stage(cfg: RLHFConfig, task_dir: Path, policy: str, pairs_file: str, d: 
     result = DPOTrainer(check_config(c), resume=bool(list_checkpoints(out))).train()
     evaluation = evaluate_policy(cfg, task_dir, str(out), str(d.parent / "rm_r0"), d / "eval")
     (d / "eval.json").write_text(json.dumps(evaluation, indent=1) + "\n", encoding="utf-8")
-    return {"steps": result.steps, "policy": str(out), "preference_accuracy": result.metrics.get("accuracy"),
+    return {"steps": result.steps, "policy": str(out), "preference_accuracy": result.metrics.get("eval/accuracy"),
             "eval": evaluation}
 
 
@@ -55,4 +55,5 @@ def evaluate_policy(cfg: RLHFConfig, task_dir: Path, policy: str, reward_dir: st
     config = ppo_config(cfg, task_dir, policy, reward_dir, cfg.ppo.kl_coef, False, d)
     config.eval.at_start = False  # evaluated below, once; no PPO step is taken
     metrics = PPOTrainer(config).evaluate()
-    return {k: v for k, v in metrics.items() if k.startswith("eval/")}
+    # eval/kl_sequence is left out: the reference of this evaluation is the DPO policy itself, not the start policy
+    return {k: v for k, v in metrics.items() if k.startswith("eval/") and k != "eval/kl_sequence"}

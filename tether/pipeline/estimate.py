@@ -96,7 +96,8 @@ def estimate_lines(cfg, plan: list, done: set[str]) -> list[str]:
         lines.append(f"{st.name:<22} {fmt(seconds) if units else '':<14} {st.what}")
     if units:
         t_gen, t_upd, rows = units
-        lines.append(f"expected time on this machine: {fmt(total)}{f' + {unknown} stage(s) not estimated' if unknown else ''}"
-                     f" (calibrated now: one generate call of {rows} replies {t_gen:.2f} s, one forward + backward "
-                     f"{t_upd:.2f} s; stages priced in those units, docs/commands.md: a rough guide)")
+        more = f" + {unknown} stage(s) not estimated" if unknown else ""
+        lines.append(f"expected time on this machine: {fmt(total)}{more} (calibrated now: one generate call of "
+                     f"{rows} replies {t_gen:.2f} s, one forward + backward {t_upd:.2f} s; stages priced in those "
+                     "units, docs/commands.md: a rough guide)")
     return lines

@@ -3,9 +3,9 @@ each PPO arm, one markdown report and one ``results.json``.
 
 Step 0 is the start policy's greedy evaluation (the first PPO arm's step-0 row: every arm starts from it, on the same
 held-out problems). Each later evaluation is paired with it problem by problem (``eval/correct``): gained = right
-now and wrong at step 0, lost = the reverse, p = McNemar's exact two-sided test (:func:`tether.core.stats.mcnemar_exact`);
-accuracies carry Wilson 95% intervals. A refresh round's steps count on from the round before (round r, step k =
-step r · steps + k of the arm's whole history).
+now and wrong at step 0, lost = the reverse, p = McNemar's exact two-sided test
+(:func:`tether.core.stats.mcnemar_exact`); accuracies carry Wilson 95% intervals. A refresh round's steps count on
+from the round before (round r, step k = step r · steps + k of the arm's whole history).
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def collect(cfg, out: Path, plan: list, records: dict) -> dict:
     dpo = records.get("dpo_r0")
     if dpo and isinstance(dpo.get("eval", {}).get("eval/correct"), str):
         ev = dpo["eval"]
+        note = f"not a PPO run (DPO: step = its {dpo.get('steps', 0)} optimiser steps)"
         arms["dpo"] = {"0": {"dir": str(out / "dpo_r0"), "seconds": dpo.get("seconds"), "s_per_step": None,
-                             "doctor": {"level": "-", "summary": f"not a PPO run (DPO: step = its {dpo.get('steps', 0)} "
-                                                                 "optimiser steps)"},
+                             "doctor": {"level": "-", "summary": note},
                              "evals": [paired_point(dpo.get("steps", 0), ev["eval/correct"], base,
                                                     ev.get("eval/reward"))]}}
     return {"config": config_to_dict(cfg),
@@ -113,11 +113,12 @@ def report_markdown(results: dict) -> str:
                 doctor = rr["doctor"]["summary"] if last else ""
                 lines.append(f"| {arm} | {r} | {e['step']} | {pct(e)} | {vs} | {p} | {reward} | {sps} | {wall} | "
                              f"{doctor} |")
-    lines += ["", "| stage | pairs | sample accuracy | reward model held-out [Wilson 95%] | probe: mean AUC, top-1 right "
-              "| seconds |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| stage | pairs | sample accuracy | reward model held-out [Wilson 95%] "
+              "| probe: mean AUC, top-1 right | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for name, rec in {**results["pairs"], **results["reward_models"]}.items():
         if name.startswith("pairs_"):
-            lines.append(f"| {name} | {rec['pairs']} | {100 * rec['sample_accuracy']:.1f}% | | | {rec['seconds']:.0f} |")
+            accuracy = f"{100 * rec['sample_accuracy']:.1f}%"
+            lines.append(f"| {name} | {rec['pairs']} | {accuracy} | | | {rec['seconds']:.0f} |")
         else:
             h, pr = rec["held_out"], rec["probe"]
             held = (f"{h['accuracy']:.3f} [{h['wilson_low']:.3f}, {h['wilson_high']:.3f}] on {h['n_pairs']}"
