@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tether.core.losses import cispo_policy_loss, gspo_policy_loss, ppo_policy_loss  # noqa: E402
+from tether.core.losses import cispo_policy_loss, gspo_policy_loss, ppo_policy_loss
 
 
 # ---- TRL 1.16.0, trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss (lines 3020-3190) -----------------------
@@ -160,7 +160,7 @@ def compare(seed: int = 0) -> list[Row]:
     def add(tether, peer, t_fn, p_fn, same, note, x=new):
         rows.append(Row(tether, peer, diff(t_fn, p_fn, x), same, note))
 
-    ppo = lambda high, adv, x_old=old, m=mask: (lambda lp: ppo_policy_loss(lp, x_old, adv, m, 0.2,  # noqa: E731
+    ppo = lambda high, adv, x_old=old, m=mask: (lambda lp: ppo_policy_loss(lp, x_old, adv, m, 0.2,
                                                                             clip_range_high=high)[0])
     add("ppo", "TRL loss_type=dapo", ppo(None, adv_bt), lambda lp: trl_loss(lp, old, adv_seq, mask), True,
         "token mean over the batch")
@@ -179,19 +179,20 @@ def compare(seed: int = 0) -> list[Row]:
         lambda lp: verl_vanilla(wide_old, lp, wide_adv, wide_mask), False,
         "veRL caps −ρA at −3A for A < 0 (dual-clip PPO); tether does not", x=wide_new)
 
-    gspo = lambda adv, eps, hi, token: (lambda lp: gspo_policy_loss(lp, old, adv, mask, eps,  # noqa: E731
+    gspo = lambda adv, eps, hi, token: (lambda lp: gspo_policy_loss(lp, old, adv, mask, eps,
                                                                      clip_range_high=hi, token_level=token)[0])
     for eps, hi in ((3e-4, 4e-4), (0.05, 0.08)):  # every row clipped (the paper's range); some rows clipped
         add(f"gspo {RANGES[eps, hi]}", "TRL sequence + loss_type=dapo", gspo(adv_bt, eps, hi, False),
-            lambda lp: trl_loss(lp, old, adv_seq, mask, importance_sampling_level="sequence", epsilon=eps,
-                                epsilon_high=hi), True, "token mean of the per-sequence loss")
+            lambda lp, eps=eps, hi=hi: trl_loss(lp, old, adv_seq, mask, importance_sampling_level="sequence",
+                                                epsilon=eps, epsilon_high=hi), True,
+            "token mean of the per-sequence loss")
     add("gspo 3e-4/4e-4", "TRL sequence + loss_type=grpo (the paper)", gspo(adv_bt, 3e-4, 4e-4, False),
         lambda lp: trl_loss(lp, old, adv_seq, mask, importance_sampling_level="sequence", loss_type="grpo",
                             epsilon=3e-4, epsilon_high=4e-4), False,
         "paper / TRL grpo: mean over sequences; tether: token mean (a row weighs its length)")
     for eps, hi in ((3e-4, 4e-4), (0.05, 0.08)):
         add(f"gspo_token {RANGES[eps, hi]}", "veRL gspo terms, token-mean", gspo(adv_tok, eps, hi, True),
-            lambda lp: verl_gspo(old, lp, adv_tok, mask, eps, hi, loss_agg_mode="token-mean"), True,
+            lambda lp, eps=eps, hi=hi: verl_gspo(old, lp, adv_tok, mask, eps, hi, loss_agg_mode="token-mean"), True,
             "per-token advantages; aggregation swapped to isolate the formula")
     add("gspo_token 3e-4/4e-4", "veRL gspo as written", gspo(adv_tok, 3e-4, 4e-4, True),
         lambda lp: verl_gspo(old, lp, adv_tok, mask, 3e-4, 4e-4), False,
@@ -200,7 +201,7 @@ def compare(seed: int = 0) -> list[Row]:
         lambda lp: trl_loss(lp, old, adv_seq, mask, importance_sampling_level="sequence", epsilon=3e-4,
                             epsilon_high=4e-4), True, "one advantage per row: GSPO-token = GSPO, gradient too")
 
-    cispo = lambda lo, hi, adv: (lambda lp: cispo_policy_loss(lp, old, adv, mask, lo,  # noqa: E731
+    cispo = lambda lo, hi, adv: (lambda lp: cispo_policy_loss(lp, old, adv, mask, lo,
                                                                clip_range_high=hi)[0])
     add("cispo 0.2/0.28", "veRL cispo clip_ratio 0.2/0.28", cispo(0.2, 0.28, adv_tok),
         lambda lp: verl_cispo(old, lp, adv_tok, mask, 0.2, 0.28), True, "token-mean")

@@ -12,7 +12,12 @@ import pytest
 import torch
 from tiny import make_policy_dir, make_prompts_file
 
-from tether.core.losses import cispo_policy_loss, gspo_policy_loss, ppo_policy_loss, sequence_log_ratio
+from tether.core.losses import (
+    cispo_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    sequence_log_ratio,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +70,7 @@ def test_gspo_on_the_2x3_example_by_hand():
     # s_0 = (1.1·0.9·1.3)^(1/3), s_1 = (0.7·1.05)^(1/2); A_i the row mean of Â; ε 0.2 / 0.28
     s0, s1 = (1.1 * 0.9 * 1.3) ** (1 / 3), (0.7 * 1.05) ** 0.5  # 1.0833, 0.8573
     a0, a1 = (1.0 - 0.5 + 2.0) / 3, (-1.0 + 0.5) / 2
-    clip = lambda s: min(max(s, 0.8), 1.28)  # noqa: E731
+    clip = lambda s: min(max(s, 0.8), 1.28)
     l0, l1 = -min(s0 * a0, clip(s0) * a0), -min(s1 * a1, clip(s1) * a1)
     expected = (3 * l0 + 2 * l1) / 5  # a token mean: row i weighs |y_i|
     logprobs = torch.tensor(RATIOS).log()

@@ -9,7 +9,8 @@ run's config; ``tether.ppo.config.PPOConfig`` is its ``ppo`` section), ``RewardC
 
 from tether.core.advantages import gae, masked_mean, shaped_rewards, whiten
 from tether.core.kl import AdaptiveKLController, FixedKLController, ProportionalKLController, kl_penalty
-from tether.core.losses import bradley_terry_loss, ppo_policy_loss, ppo_value_loss
+from tether.core.losses import (bradley_terry_loss, cispo_policy_loss, gspo_policy_loss, ppo_policy_loss,
+                                 ppo_value_loss)
 from tether.core.stats import entropy_from_logits, explained_variance, logprobs_from_logits, wilson_interval
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ _LAZY = {
 
 __all__ = [
     "bradley_terry_loss", "kl_penalty", "shaped_rewards", "gae", "whiten", "ppo_policy_loss",
+    "gspo_policy_loss", "cispo_policy_loss",
     "ppo_value_loss", "masked_mean", "entropy_from_logits", "explained_variance", "logprobs_from_logits",
     "wilson_interval", "FixedKLController", "AdaptiveKLController", "ProportionalKLController",
     "report", *_LAZY,
