@@ -47,9 +47,10 @@ def split_held_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[d
 @dataclass
 class PromptStream:
     """Seeded, reshuffled each epoch, split across ranks; ``state_dict`` is the data position (B14). With a
-    :class:`~tether.ppo.curriculum.Curriculum` each draw is weighted by the prompts' recent pass rates instead: one
-    draw of ``n`` (``batch_size`` unless dynamic sampling oversamples) × world size for all processes (seeded by seed and the draw count, each rank its slice),
-    without replacement within a step (:meth:`begin_step`), and its table is state too."""
+    :class:`~tether.ppo.curriculum.Curriculum` each draw is weighted by the prompts' recent pass rates instead:
+    one draw of ``n`` (``batch_size`` unless dynamic sampling oversamples) × world size for all processes
+    (seeded by seed and the draw count, each rank its slice), without replacement within a step
+    (:meth:`begin_step`), and its table is state too."""
 
     rows: list[dict]
     batch_size: int
