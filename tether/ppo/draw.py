@@ -191,9 +191,9 @@ def _draw_round(run, cfg, timer: PhaseTimer, sample, n: int | None = None) -> St
 
 def estimator_scores(run, cfg, rollout: Rollout, raw: RewardScores) -> torch.Tensor:
     """(B,) the scores a group baseline would see for these rows (B4, B17): the sequence channel after the length,
-    missing-EOS and soft overlong penalties, normalisation and clip (:func:`~tether.ppo.sources.postprocess_scores`
-    over this draw's finite rows of all processes), plus the dense channel's sum; NaN where the raw scores are not finite
-    (B16). Running normalisation reads a copy of the running moments: judging moves nothing, and the step's own
+    missing-EOS and soft overlong penalties, normalisation and clip
+    (:func:`~tether.ppo.sources.postprocess_scores` over this draw's finite rows of all processes), plus the dense
+    channel's sum; NaN where the raw scores are not finite (B16). Running normalisation reads a copy of the running moments: judging moves nothing, and the step's own
     scoring updates them once, as without dynamic sampling. Collective (every process judges every round)."""
     p = run.processes
     finite = torch.isfinite(raw.total)
