@@ -31,10 +31,6 @@ class PairExample:
     rejected: Example  # prompt + rejected reply; labels on the reply
 
     @property
-    def ids(self) -> tuple[list[int], list[int]]:
-        return self.chosen.ids, self.rejected.ids
-
-    @property
     def length(self) -> int:
         return max(len(self.chosen.ids), len(self.rejected.ids))
 
