@@ -123,7 +123,9 @@ def _loss_and_grads(run, cfg, mb):
 @pytest.mark.parametrize("estimator", ["gae", "dr_grpo"])
 def test_masked_truncated_rows_give_the_loss_and_gradients_of_the_batch_without_them(files, tmp_path, monkeypatch,
                                                                                      estimator):
-    extra = dict(advantage__estimator=estimator, samples_per_prompt=2, batch_size=4) if estimator == "dr_grpo" else {}
+    # dr_grpo: the rows x max_new_tokens normaliser, and the KL as a loss term (GRPO's) masked too
+    extra = {"advantage__estimator": estimator, "samples_per_prompt": 2, "batch_size": 4,
+             "kl__penalty_in": "loss"} if estimator == "dr_grpo" else {}
     run, cfg, e = _experience(files, tmp_path, monkeypatch, generation__max_new_tokens=6, ppo__mask_truncated=True,
                               ppo__entropy_coef=0.01, **extra)
     ended = e.rollout.ended_with_eos
@@ -136,6 +138,7 @@ def test_masked_truncated_rows_give_the_loss_and_gradients_of_the_batch_without_
     stats_plain, grads_plain = _loss_and_grads(run, cfg, plain)
     assert stats_masked.keys() == stats_plain.keys() and "policy/loss" in stats_masked
     assert ("value/loss" in stats_masked) == (estimator == "gae")  # the critic's loss skips them too
+    assert ("policy/kl_loss" in stats_masked) == (estimator == "dr_grpo")  # and so does the KL loss term
     for key, value in stats_plain.items():
         assert stats_masked[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert grads_masked.keys() == grads_plain.keys() and grads_plain
