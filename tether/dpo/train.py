@@ -289,8 +289,10 @@ def evaluate(scorer: Scorer, items: list[PairExample], ref: tuple[torch.Tensor, 
     margins = cfg.loss.beta * ((chosen - ref[0]) - (rejected - ref[1]))  # (P,)
     n, k = len(items), int((margins > 0).sum())
     low, high = wilson_interval(k, n)
-    return {"eval/loss": loss.item(), **{f"eval/{key}": v.item() for key, v in stats.items()}, "eval/pairs": n,
-            "eval/ties": int((margins == 0).sum()), "eval/accuracy_low": low, "eval/accuracy_high": high}
+    # eval/accuracy: the held-out preference accuracy under the name train-rm's verdict and the pipeline read
+    return {"eval/loss": loss.item(), **{f"eval/{key}": v.item() for key, v in stats.items()}, "eval/accuracy": k / n,
+            "eval/pairs": n, "eval/ties": int((margins == 0).sum()), "eval/accuracy_low": low,
+            "eval/accuracy_high": high}
 
 
 def format_evaluation(ev: dict, when: str) -> str:
