@@ -115,6 +115,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, common: tuple[str, ..
         if not (full or flag in common):
             help_, hidden = argparse.SUPPRESS, hidden + 1
         repeat = bool(f.metadata.get("repeat"))
+        if tp == (bool | None):  # a switch whose unset value means "decide from the run" (ppo.packing)
+            tp = bool
         shape = (dict(nargs="?", const="true", metavar="BOOL") if tp is bool
                  else dict(metavar=key.split(".")[-1].upper()))
         group = groups[group_of(key)]

@@ -299,6 +299,7 @@ def demo_ppo_config(run_dir: Path, out: Path, prompts: Path, eval_prompts: Path,
     cfg.reward.sources, cfg.reward.gold = [str(out / "rm")], "tether.demo.task:gold_reward"
     cfg.generation.max_new_tokens, cfg.generation.temperature = 8, 1.0
     cfg.kl.coef, cfg.kl.controller = beta, "fixed"
+    cfg.kl.reference = "always"  # the beta = 0 run's KL is what the demo shows (tether.ppo.skips would skip it)
     cfg.ppo.epochs, cfg.ppo.mini_batches = settings.ppo_epochs, 4
     cfg.optim.lr, cfg.optim.critic_lr = 5e-5, 5e-4
     # The critic starts from the reward model (the classic recipe): it already tells right from wrong

@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from tether.config import config_from_dict
+from tether.diagnostics.best import add_best
 from tether.diagnostics.gold import describe, with_problem_results
 from tether.diagnostics.groups import flat_groups_kind, flat_groups_prescriptions
 from tether.diagnostics.hangs import format_hang, read_hangs
@@ -206,8 +207,11 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
     present = {k for row in rows for k in row}
     # a critic-free run (B17) has no value metrics by design: its value bands are not "unchecked", they do not apply
     no_critic = config_value(run_config or {}, "advantage.estimator") not in (None, "gae")
+    # nor has a run that skipped the reference pass (β = 0 throughout, kl.reference auto: tether.ppo.skips) its KL
+    no_kl = "objective/kl" not in present and "objective/kl_coef" in present
     unchecked = [b.name for b in monitor.bands if not {b.key, *b.needs} <= present and not b.reported_by_some_runs
-                 and not (no_critic and b.key.startswith("value/"))]
+                 and not (no_critic and b.key.startswith("value/"))
+                 and not (no_kl and b.key.startswith("objective/kl"))]
     gold, notes = gold_summary(monitor)
     notes += reward_without_gold(monitor, rows) or ([] if notes else gold_fell(monitor))
     alerts, vouched = _vouch(monitor.alerts(), monitor, rows)
@@ -270,6 +274,7 @@ def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Dia
         d.evidence["answers"] = answers_beside_reference(run_dir, d.alarm_step)
     add_verdict(d, judge_run(run_dir), _prescribe(TASK_DROPPED, run_config))  # per problem: tether.diagnostics.shortcut
     d.hang = read_hangs(run_dir)
+    add_best(d, rows, run_dir, run_config)  # a run that fell: the best evaluation's step and where its weights are
     return d
 
 
@@ -381,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
     d = diagnose(rows, config, run_config=run_config)
     d.hang = hang
     add_verdict(d, judge_run(args.run_dir), _prescribe(TASK_DROPPED, run_config))  # the held-out answers, per problem
+    add_best(d, rows, args.run_dir, run_config)
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False))
     else:

@@ -23,6 +23,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print this run's memory plan and the launch checklist, then exit without training")
     add_config_flags(parser, RunConfig, COMMON)
+    parser.add_argument("--no-packing", dest="ppo.packing", action="store_const", const="false", default=None,
+                        help="padded rows in every policy and reference forward (ppo.packing false); packing is on "
+                             "by default when --samples-per-prompt > 1 and the start-up check passes")
 
 
 def run(args) -> int:

@@ -236,6 +236,28 @@ def checked_forward_options(model, packing: bool, chunk_tokens: int = 1024) -> F
     return ForwardOptions(own_head=own_ok, packing=packing, chunk_tokens=chunk_tokens)
 
 
+def resolved_forward_options(cfg, fsdp: bool, model) -> tuple[ForwardOptions, list[str]]:
+    """``ppo.packing`` resolved for this run, and the start-up lines to print. True: packed rows, refused in one
+    line under FSDP2 or where the self-check fails; null (the default): packed when K > 1 (``--samples-per-prompt``:
+    a prompt shared by its K rows is computed once) and the self-check passes, else padded, saying why where K > 1;
+    False (``--no-packing``): padded rows. Under FSDP2 always the model's own logits: its output embedding is
+    sharded outside the model's forward."""
+    from tether.errors import ConfigError, TetherError
+
+    asked = cfg.ppo.packing
+    if fsdp:
+        if asked:
+            raise TetherError("ppo.packing under FSDP2: not supported (the log-probs of packed rows come through the "
+                              "output embedding, which FSDP2 holds sharded outside its own forward); use DDP")
+        return ForwardOptions(), []
+    if asked is None and cfg.samples_per_prompt > 1:
+        try:
+            return checked_forward_options(model, True), []
+        except ConfigError as e:
+            return checked_forward_options(model, False), [f"packing off (on by default for K > 1 where exact): {e}"]
+    return checked_forward_options(model, bool(asked)), []
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, tolerance: float) -> bool:
     return bool(((a - b).abs()[mask] <= tolerance).all())
 

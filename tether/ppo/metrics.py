@@ -47,21 +47,25 @@ def global_explained_variance(p, values: torch.Tensor, returns: torch.Tensor, ma
 
 def objective_metrics(p, scores, scores_raw, rewards, kl, mask, valid, kl_mean: float, beta: float) -> dict:
     """Scores and KL over the kept rows and tokens of all processes (B12); ``kl_mean`` is the pooled per-token
-    KL (the controller's input) and ``beta`` the coefficient this step used."""
+    KL (the controller's input) and ``beta`` the coefficient this step used. ``kl`` None: the KL was not computed
+    (no reference pass, tether.ppo.skips): its keys are left out, not written as 0."""
     tokens = mask.bool()
-    return {"objective/scores": global_masked_mean(p, scores, valid),
+    out = {"objective/scores": global_masked_mean(p, scores, valid),
             "objective/scores_raw": global_masked_mean(p, scores_raw, valid),
             # 0 = every kept row scored alike: the doctor's flat-reward check (diagnostics.headline)
             "objective/scores_std": global_masked_var(p, scores_raw, valid) ** 0.5,
             "objective/rlhf_reward": global_masked_mean(p, rewards.sum(dim=1), valid),
+            "objective/kl_coef": beta}
+    if kl is None:
+        return out
+    return {**out,
             "objective/kl": kl_mean,
             "objective/kl_max": p.global_max(kl[tokens].max() if tokens.any() else kl.new_zeros(())),
             # the health band's measure: a quantile is a property of the policy, the max grows with B·T
             # (several processes: the largest of their quantiles)
             "objective/kl_p99": p.global_max(quantile(kl[tokens].float(), 0.99) if tokens.any()
                                              else kl.new_zeros(())),
-            "objective/kl_sequence": global_masked_mean(p, kl.sum(dim=1), valid),
-            "objective/kl_coef": beta}
+            "objective/kl_sequence": global_masked_mean(p, kl.sum(dim=1), valid)}
 
 
 def value_metrics(p, values_old: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -158,16 +162,18 @@ def perf_metrics(timer: PhaseTimer, generated_tokens: float, kept_tokens: float 
 
 def throughput_metrics(p, perf, timer: PhaseTimer, rollout: Rollout, epochs_run: int, critic_only: bool,
                        packed: bool = False, generated: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       forwards: bool = True) -> dict:
+                       forwards: bool = True, skipped: tuple[str, ...] = ()) -> dict:
     """Model FLOPs per second over the device's peak (C6): for the step, generation and training (per device:
     all processes' FLOPs over world size), and the share of the padded layout's positions that are padding (under
     ``packed`` forwards none of it is computed, and a prompt shared by K rows counts once). ``generated``: (R·B,)
     prompt and response tokens of every row generation made (every ``--filter-groups`` round; None: ``rollout``'s
-    rows); ``forwards`` False: the scoring forwards did not run (a step with nothing to train on)."""
+    rows); ``forwards`` False: the scoring forwards did not run (a step with nothing to train on); ``skipped``: the
+    scoring phases the run leaves out (``logprobs_old``, ``reference``: tether.ppo.skips), counted as 0 FLOPs."""
     shares = prompt_shares(rollout.query, rollout.query_mask) if packed else None
     flops = step_flops(perf, rollout.query_mask, rollout.lengths, epochs_run, critic_only, shares, generated)
     if not forwards:
         flops.update(logprobs_old=0.0, reference=0.0, values=0.0)
+    flops.update({phase: 0.0 for phase in skipped})
     per_device = {phase: p.global_sum(f) / p.world_size for phase, f in flops.items()}
     seconds = {phase: timer.seconds.get(phase, 0.0) for phase in flops}
 

@@ -37,6 +37,9 @@ class Experience:
     valid: torch.Tensor | None = None  # (B,) bool: False = row dropped from the update (non-finite, B16)
     is_weights: torch.Tensor | None = None  # (B, T) w_t of the off-policy correction (B19); None: --rollout-correction none
     loss_rows: torch.Tensor | None = None  # (B,) bool: False = a kept row the losses skip (--mask-truncated); None: all
+    # log π_old taken from the update's own forward (ppo.old_logprobs auto, tether.ppo.skips): logprobs_old is None
+    # until then, and each micro-batch's forward records its rows here; None: the separate pass ran
+    from_forward: "TrainingForwardLog | None" = None
 
     def __len__(self) -> int:
         return len(self.rollout)

@@ -29,7 +29,7 @@ from tether.errors import TetherError
 from tether.hf import DTYPES, context_positions, load_tokenizer
 from tether.ppo.checks import MIN_PROMPTS_FOR_SHARE, held_out_fraction
 from tether.ppo.curriculum import Curriculum
-from tether.ppo.forward import ForwardOptions, checked_forward_options
+from tether.ppo.forward import ForwardOptions, resolved_forward_options
 from tether.ppo.inputs import GivenInputs
 from tether.ppo.models import (
     Policy,
@@ -42,6 +42,7 @@ from tether.ppo.noop import WeightProbe, WeightVersions
 from tether.ppo.offpolicy import OneStepOff
 from tether.ppo.perf import Throughput, throughput_of
 from tether.ppo.processes import Processes, make_processes
+from tether.ppo.skips import ForwardSkips, plan_skips, startup_lines
 from tether.ppo.prompts import PromptStream, load_prompts, prompt_group_key, split_held_out
 from tether.ppo.sources import RunningMoments, build_sources, is_reward_model_dir
 from tether.precision import Precision
@@ -72,6 +73,7 @@ class Models:
     precision: Precision           # every policy/reference/critic forward runs in precision.autocast() (C5)
     fsdp: FsdpSettings | None = None
     forward: ForwardOptions = ForwardOptions()  # how every policy/reference forward computes (checked at set-up)
+    skips: ForwardSkips = ForwardSkips()  # the scoring forwards left out because their result is known (skips.py)
 
     @property
     def critic_is_head(self) -> bool:
@@ -315,12 +317,7 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
         cfg.critic, policy, tokenizer, default_critic_backbone(cfg, tokenizer, policy_path), cfg.model)
     use_chat_template = chat_template_on(cfg, tokenizer)
     check_context(cfg, tokenizer, use_chat_template, policy.model.config, train_rows + eval_rows)
-    if processes.fsdp is not None and cfg.ppo.packing:
-        raise TetherError("ppo.packing under FSDP2: not supported (the log-probs of packed rows come through the "
-                          "output embedding, which FSDP2 holds sharded outside its own forward); use DDP")
-    # Under FSDP2 the model's own logits: its output embedding is sharded outside the model's forward.
-    forward = ForwardOptions() if processes.fsdp is not None else checked_forward_options(policy.model,
-                                                                                          cfg.ppo.packing)
+    forward, notes = resolved_forward_options(cfg, processes.fsdp is not None, policy.model)  # packing or not
     if policy.reference is not None:
         policy.reference.to(processes.device)  # frozen: a whole copy on every process, never sharded
     if processes.fsdp is not None:
@@ -329,7 +326,10 @@ def setup(cfg, given: GivenInputs | None = None) -> Run:
     else:
         optim = make_optimisation(cfg, policy, critic, precision)
         models = ddp_models(processes, policy, critic, tokenizer, use_chat_template, optim, cfg, precision)
-    models.forward = forward
+    models.forward, models.skips = forward, plan_skips(cfg, models.critic_is_head)
+    if processes.is_main:  # the forwards this run leaves out, or why the one it is shaped for still runs
+        for line in notes + startup_lines(cfg, models.skips):
+            print(f"note: {line}", file=sys.stderr)
     processes.closing.append(models.engine.close)
     gold = resolve_gold(cfg.reward.gold, eval_rows or train_rows, given.gold if given else None)
     curriculum = None

@@ -18,6 +18,8 @@ step 7), which the epoch loop (:mod:`tether.ppo.update`) only reads; the metrics
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tether.core.advantages import gae, shaped_rewards, whiten
@@ -41,6 +43,7 @@ from tether.ppo.offpolicy import Batch, correction_metrics, step_correction_weig
 from tether.ppo.perf import PhaseTimer
 from tether.ppo.draw import draw_step_batch
 from tether.ppo.records import Experience
+from tether.ppo.skips import TrainingForwardLog, training_logprobs
 from tether.ppo.sources import RewardScores, postprocess_scores
 from tether.ppo.update import ppo_epochs
 from tether.rollout.records import Rollout
@@ -79,27 +82,14 @@ def ppo_step(run, cfg, step: int) -> dict:
         with timer("weight_sync"):
             m.engine.sync_weights(m.unwrapped_policy)
         run.versions.synced()
-    batch = draw_step_batch(run, cfg, timer, lambda: sample_batch(run, cfg, step, timer))
+    batch = draw_step_batch(run, cfg, timer, lambda n=None: sample_batch(run, cfg, step, timer, n))
     if p.world_size == 1 and not bool(batch.kept.any()):
         return nothing_to_train(run, cfg, step, timer, batch)
     rollout, rewards_raw, response_mask = batch.rollout, batch.rewards_raw, batch.rollout.response_mask.float()
 
     with timer("score"):  # charged to its parts, SCORE_PHASES (C2)
-        # Steps 2-4 compute in the run's precision (C5): policy and reference alike, so that before any update
-        # log π_old = log π_ref to the bit and the KL is exactly 0.
-        with m.precision.autocast(), scoring_mode(m.fsdp):
-            # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch.
-            logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, temperature,
-                                                             need_hidden=m.critic_is_head, options=m.forward)
-            timer.split("logprobs_old")
-            # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen twin.
-            with m.policy.reference_model(m.policy_model) as reference:
-                logprobs_ref, _, _ = forward_response(reference, rollout, temperature, need_entropy=False,
-                                                      options=m.forward)
-            timer.split("reference")
-            values_all = critic_values(m.critic, rollout, hidden)  # 4. Values V(s_0) … V(s_T), (B, T+1) or None
-        values_old, last_values = split_values(values_all, rollout)
-        timer.split("values")
+        # Steps 2-4: old and reference log-probs, values (those a known result makes unneeded left out: skips.py)
+        logprobs_old, entropy, logprobs_ref, values_old, last_values = scoring_forwards(run, cfg, rollout, timer)
         # 5b. B16: a row with a non-finite score, log-prob, value or bootstrap value leaves this step's update, and so
         # does a filler row of a flat group (--filter-groups short of groups with spread).
         finite, notes = finite_rows(rewards_raw, (logprobs_old, logprobs_ref, values_old), last_values,
@@ -114,23 +104,27 @@ def ppo_step(run, cfg, step: int) -> dict:
                                              max_new_tokens=cfg.generation.max_new_tokens)
         # 5d. Per-token rewards (B5): −β·KL_t on every token (β = 0 here when the KL is a loss term instead,
         # kl.penalty_in), the sequence score on the last one, each step reward on the token that ends its step.
-        kl = kl_penalty(logprobs_old, logprobs_ref, cfg.kl.estimator, k3_clip=cfg.kl.k3_clip) * response_mask  # (B, T)
+        kl = token_kl(cfg, logprobs_old, logprobs_ref, response_mask)  # (B, T); None: a side not computed (yet)
         beta_reward = o.kl_controller.value if cfg.kl.penalty_in == "reward" else 0.0
-        rewards = shaped_rewards(sequence_scores, kl, beta_reward, response_mask) + step_rewards * response_mask
+        kl_in_reward = torch.zeros_like(response_mask) if kl is None else kl  # None only where β_reward = 0 (skips)
+        rewards = (shaped_rewards(sequence_scores, kl_in_reward, beta_reward, response_mask)
+                   + step_rewards * response_mask)
         scores = sequence_scores + step_rewards.sum(dim=1)  # what each response earned in all (objective/scores)
         # 6.–7. Advantages (B7, B8, B17): GAE on the critic's values, whitened; or, without a critic, a group
         # (or batch) baseline on the scores (cfg.advantage). Then everything is frozen.
         advantages, returns = estimate_advantages(cfg, p.world_size > 1, rewards, values_old, last_values, scores,
-                                                  kl, beta_reward, response_mask, valid)
+                                                  kl_in_reward, beta_reward, response_mask, valid)
         timer.split("reward")  # steps 5-7: reward sources, per-token rewards, advantages, whitening
     # The training forwards never see a dropped row's input (its NaN would recur: 0·NaN = NaN in the masked
     # losses and their gradients): it is replaced by a kept row, with no weight in any loss.
     experience = Experience(rollout=stand_in_rows(rollout, valid), logprobs_old=logprobs_old,
                             logprobs_ref=logprobs_ref, values_old=values_old, last_values=last_values,
-                            scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
+                            scores=scores, kl=kl_in_reward, rewards=rewards, advantages=advantages, returns=returns,
                             valid=valid, is_weights=step_correction_weights(cfg, rollout, logprobs_old,
                                                                             response_mask),  # B19
-                            loss_rows=rollout.ended_with_eos.to(valid.device) if cfg.ppo.mask_truncated else None)
+                            loss_rows=rollout.ended_with_eos.to(valid.device) if cfg.ppo.mask_truncated else None,
+                            from_forward=TrainingForwardLog(torch.arange(len(valid), device=valid.device))
+                            if m.skips.old_logprobs else None)
 
     # 8.–9. Epochs of shuffled minibatch updates, with the KL early stop (B9, B10).
     any_kept = bool(p.global_sum(valid.sum()) > 0)
@@ -140,12 +134,14 @@ def ppo_step(run, cfg, step: int) -> dict:
         train_stats, epochs_run = (ppo_epochs(run, cfg, experience, step) if any_trained
                                    else ({"health/skipped_updates": 0, "ppo/updates": 0}, 0))
     trained.update(after_update(run, train_stats))  # the no-op checks (tether.ppo.noop)
+    if experience.from_forward is not None and any_trained:  # (a): log π_old as the update's forward computed it
+        experience, entropy, kl = with_training_logprobs(cfg, experience, response_mask)
 
     # 10. KL controller (B11) on this step's per-token KL to the reference, pooled over all processes' tokens.
     # It learns only from rollouts of a policy that has been updated: before the first policy update (step 1,
     # and every critic warm-up step) the KL is exactly 0 and says nothing about β.
-    kl_mean, beta_used = global_masked_mean(p, kl, response_mask), o.kl_controller.value
-    if step > cfg.critic.warmup_steps + 1 and any_kept:  # a step that kept no row measured no KL (not a KL of 0)
+    beta_used, kl_mean = o.kl_controller.value, None if kl is None else global_masked_mean(p, kl, response_mask)
+    if step > cfg.critic.warmup_steps + 1 and any_kept and kl_mean is not None:  # no row kept: no KL measured
         o.kl_controller.update(kl_mean, n_steps=len(rollout) * p.world_size)
 
     metrics = step_metrics(run, cfg, step, timer, batch, experience, entropy, kl_mean, beta_used, epochs_run,
@@ -164,6 +160,37 @@ def trained_rows_left(p, experience: Experience, any_kept: bool, notes: list[str
         return True, notes
     return False, notes + ["--mask-truncated: every kept row was cut by --max-new-tokens (no EOS), so nothing is "
                            "left to train on: this step's update is skipped"]
+
+
+def scoring_forwards(run, cfg, rollout: Rollout, timer: PhaseTimer):
+    """Steps 2–4 of :func:`ppo_step`: ``(logprobs_old, entropy, logprobs_ref, values_old, last_values)``, (B, T)
+    each but ``last_values`` (B,); None for what the run does not compute here (no critic; the old log-probs taken
+    from the update's forward, the reference pass at β = 0: :mod:`tether.ppo.skips`)."""
+    m, temperature = run.models, cfg.generation.temperature
+    # Steps 2-4 compute in the run's precision (C5): policy and reference alike, so that before any update
+    # log π_old = log π_ref to the bit and the KL is exactly 0 (to float rounding where log π_old comes from the
+    # update's forward: its shapes differ).
+    with m.precision.autocast(), scoring_mode(m.fsdp):
+        # 2. Old log-probs from the training-side forward (B2): ratio = 1 exactly on the first minibatch. One
+        # epoch of one on-policy minibatch (ppo.old_logprobs auto, tether.ppo.skips): that minibatch's own
+        # forward gives them after the update, detached; nothing before it reads them, so no pass here.
+        logprobs_old = entropy = hidden = None
+        if not m.skips.old_logprobs:
+            logprobs_old, entropy, hidden = forward_response(m.policy_model, rollout, temperature,
+                                                             need_hidden=m.critic_is_head, options=m.forward)
+        timer.split("logprobs_old")
+        # 3. Reference log-probs (B3): the adapter disabled (LoRA) or the frozen twin. β = 0 throughout and no
+        # KL metric asked (kl.reference auto): nothing reads them, no pass, the KL metrics not computed.
+        logprobs_ref = None
+        if not m.skips.reference:
+            with m.policy.reference_model(m.policy_model) as reference:
+                logprobs_ref, _, _ = forward_response(reference, rollout, temperature, need_entropy=False,
+                                                      options=m.forward)
+        timer.split("reference")
+        values_all = critic_values(m.critic, rollout, hidden)  # 4. Values V(s_0) … V(s_T), (B, T+1) or None
+    values_old, last_values = split_values(values_all, rollout)
+    timer.split("values")
+    return logprobs_old, entropy, logprobs_ref, values_old, last_values
 
 
 def step_result(run, step: int, batch, metrics: dict, train_stats: dict, finite: torch.Tensor,
@@ -193,14 +220,14 @@ def nothing_to_train(run, cfg, step: int, timer: PhaseTimer, batch) -> dict:
     return step_result(run, step, batch, metrics, {"health/skipped_updates": 0, "ppo/updates": 0}, finite, notes)
 
 
-def sample_batch(run, cfg, step: int, timer: PhaseTimer) -> Batch:
-    """One draw of ``--batch-size`` prompts with K adjacent rows each (a group, B17), sampled now with the KV cache
+def sample_batch(run, cfg, step: int, timer: PhaseTimer, n: int | None = None) -> Batch:
+    """One draw of ``n`` prompts (default ``--batch-size``) with K adjacent rows each (a group, B17), sampled now with the KV cache
     until every row ended, EOS vs truncated recorded — or, one step off (``--async-rollout 1``), the batch the rollout
     processes sampled while the previous step trained (:class:`~tether.ppo.offpolicy.OneStepOff`)."""
     m, d = run.models, run.data
     if d.ahead is not None:
         return d.ahead.next(run, cfg, step - 1, timer)
-    rows = [row for row in d.prompts.next_batch() for _ in range(cfg.samples_per_prompt)]
+    rows = [row for row in d.prompts.next_batch(n) for _ in range(cfg.samples_per_prompt)]
     with timer("generate"):
         rollout, responses = rollout_batch(m, cfg, rows)
     return Batch(rows, rollout, responses, sampled_at=step - 1)
@@ -235,11 +262,11 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience | 
     curriculum = run.data.prompts.curriculum
     drawn = batch.drawn_scores
     over_kept = {
-        **objective_metrics(p, e.scores, scores_raw, e.rewards, e.kl, e.response_mask, e.valid, kl_mean, beta_used),
-        "policy/entropy": global_masked_mean(p, entropy, e.response_mask),
+        **objective_metrics(p, e.scores, scores_raw, e.rewards, None if kl_mean is None else e.kl, e.response_mask,
+                            e.valid, kl_mean, beta_used),
+        **({"policy/entropy": global_masked_mean(p, entropy, e.response_mask)} if entropy is not None else {}),
         **(value_metrics(p, e.values_old, e.returns, e.response_mask) if e.values_old is not None else {}),
-        **sampler_gap_metrics(p, rollout, e.logprobs_old, e.response_mask),
-        **correction_metrics(p, cfg, rollout, e.logprobs_old, e.response_mask),
+        **logprob_metrics(p, cfg, rollout, e.logprobs_old, e.response_mask),
         **truncation_mask_metrics(p, e.valid, e.loss_rows),
         **advantage_metrics(p, e.advantages, e.response_mask),
     } if any_kept else {"objective/kl_coef": beta_used}
@@ -254,10 +281,37 @@ def step_metrics(run, cfg, step: int, timer: PhaseTimer, batch, e: Experience | 
         **perf_metrics(timer, p.global_sum(batch.generated[1].sum().float()),
                        p.global_sum(torch.as_tensor(kept_tokens).float()), run.models.engine.sync_seconds),
         **throughput_metrics(p, run.perf, timer, rollout, epochs_run, critic_only=step <= cfg.critic.warmup_steps,
-                             packed=run.models.forward.packing, generated=batch.generated, forwards=e is not None),
+                             packed=run.models.forward.packing, generated=batch.generated, forwards=e is not None,
+                             skipped=run.models.skips.phases),
         "ppo/epochs_run": epochs_run,
         "ppo/early_stopped": float(epochs_run < cfg.ppo.epochs),
     }
+
+
+def token_kl(cfg, logprobs: torch.Tensor | None, logprobs_ref: torch.Tensor | None, mask: torch.Tensor
+             ) -> torch.Tensor | None:
+    """(B, T) per-token KL_t estimate of log π_old against log π_ref (B5, kl.estimator), 0 on padding; None when
+    either side was not computed (the reference skipped, or log π_old still to come from the update's forward)."""
+    if logprobs is None or logprobs_ref is None:
+        return None
+    return kl_penalty(logprobs, logprobs_ref, cfg.kl.estimator, k3_clip=cfg.kl.k3_clip) * mask
+
+
+def with_training_logprobs(cfg, experience: Experience, mask: torch.Tensor):
+    """After the update, where log π_old was taken from its forward (tether.ppo.skips): ``(experience, entropy,
+    kl)`` with log π_old filled in, the entropy and the per-token KL to the reference (None without its pass)."""
+    logprobs, entropy = training_logprobs(experience, mask)
+    kl = token_kl(cfg, logprobs, experience.logprobs_ref, mask)
+    return replace(experience, logprobs_old=logprobs, kl=experience.kl if kl is None else kl), entropy, kl
+
+
+def logprob_metrics(p, cfg, rollout: Rollout, logprobs_old: torch.Tensor | None, mask: torch.Tensor) -> dict:
+    """The sampler gap (C3) and mismatch (B19) metrics of log π_old; none where it was never computed (taken from
+    the update's forward, tether.ppo.skips, in a step that ran no update)."""
+    if logprobs_old is None:
+        return {}
+    return {**sampler_gap_metrics(p, rollout, logprobs_old, mask), **correction_metrics(p, cfg, rollout,
+                                                                                       logprobs_old, mask)}
 
 
 def scoring_mode(fsdp):
@@ -305,8 +359,8 @@ def finite_rows(rewards_raw: RewardScores, per_token: tuple, last_values: torch.
     tokens) are all finite (B16), and one alert line naming the dropped rows and why (a rule that raised says so).
     Without a critic the values and the bootstrap are None and not checked."""
     score_ok = torch.isfinite(rewards_raw.total).to(mask.device)
-    token_ok = torch.stack([(torch.isfinite(x) | (mask == 0)).all(dim=1) for x in per_token if x is not None]
-                           ).all(dim=0)
+    checked = [(torch.isfinite(x) | (mask == 0)).all(dim=1) for x in per_token if x is not None]
+    token_ok = torch.stack(checked).all(dim=0) if checked else torch.ones_like(score_ok)  # none computed (skips)
     bootstrap_ok = torch.isfinite(last_values) if last_values is not None else torch.ones_like(score_ok)
     valid = score_ok & token_ok & bootstrap_ok
     if valid.all():

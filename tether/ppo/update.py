@@ -9,6 +9,7 @@ clip each model's gradient norm, step the optimisers and schedulers.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -130,8 +131,12 @@ def minibatch_loss(run, cfg, mb: Experience, critic_only: bool, weight: torch.Te
         with (torch.no_grad() if critic_only else torch.enable_grad()):
             logprobs, entropy, hidden = forward_response(m.policy_model, mb.rollout, cfg.generation.temperature,
                                                          need_hidden=m.critic_is_head,
-                                                         need_entropy=entropy_coef > 0, options=m.forward)
+                                                         need_entropy=entropy_coef > 0 or mb.from_forward is not None,
+                                                         entropy_grad=entropy_coef > 0, options=m.forward)
         values = critic_values(m.critic, mb.rollout, hidden)  # (B, T+1), None without a critic
+    if mb.from_forward is not None:  # ppo.old_logprobs auto (tether.ppo.skips): π_old is this forward's policy
+        mb.from_forward.record(logprobs, entropy)
+        mb = replace(mb, logprobs_old=logprobs.detach())  # ratio 1 exactly, the gradient A_t·∇log π
     loss, stats = None, {}
     if values is not None:
         clip_v = cfg.ppo.clip_range_value or None
