@@ -93,6 +93,12 @@ def test_overlong_buffer_longer_than_the_budget_is_refused_in_one_line(files, tm
     row = {i.name: i for i in launch_checklist(cfg)}["length penalty"]  # --dry-run's checklist names it
     assert row.ok and row.setting == "soft overlong over the last 6 tokens"
     assert not {i.name: i for i in launch_checklist(tiny_config(tmp_path, *files))}["length penalty"].ok
+    # legal settings that do nothing: one warning line each
+    assert "--overlong-penalty-factor 0.5: ignored; --overlong-buffer is 0 (off)" in \
+        tiny_config(tmp_path, *files, reward__overlong_penalty_factor=0.5).warnings()
+    assert "--overlong-buffer 2: no effect with --overlong-penalty-factor 0" in \
+        tiny_config(tmp_path, *files, reward__overlong_buffer=2, reward__overlong_penalty_factor=0.0).warnings()
+    assert not [w for w in cfg.warnings() if "overlong" in w]
 
 
 def _experience(files, tmp_path, monkeypatch, **overrides):

@@ -105,6 +105,11 @@ def run_warnings(cfg) -> list[str]:
         out.append(f"--rollout-correction {cfg.correction.mode}: the transformers engine samples with the trained "
                    "weights themselves, so its weights only correct the rounding gap between generation and the "
                    "training forward (near 1); it is for --engine vllm or --rollout-processes")
+    r = cfg.reward
+    if r.overlong_penalty_factor != 1.0 and not r.overlong_buffer:
+        out.append(f"--overlong-penalty-factor {r.overlong_penalty_factor:g}: ignored; --overlong-buffer is 0 (off)")
+    elif r.overlong_buffer and not r.overlong_penalty_factor:
+        out.append(f"--overlong-buffer {r.overlong_buffer}: no effect with --overlong-penalty-factor 0")
     if cfg.data.eval_fraction and (cfg.data.eval_prompts or cfg.data.prompts.startswith("rg:")):
         given = (f"--eval-prompts {cfg.data.eval_prompts}" if cfg.data.eval_prompts
                  else "the task's own held-out problems (data.task_eval)")
