@@ -233,3 +233,16 @@ def test_the_example_config_is_recipe_5_wired():
     assert (ppo.advantage.estimator, ppo.kl.estimator, ppo.ppo.packing, ppo.model.lora_r) == ("grpo", "k3", True, 16)
     assert ppo.data.eval_prompts == str(Path("task") / "heldout.jsonl") and ppo.reward.gold.endswith(
         "reasoning_gym_correct")
+
+
+def test_a_rerun_with_other_settings_is_named(tmp_path):
+    """Complete stages are kept whatever the settings; a rerun with other ones says which keys changed."""
+    from tether.config import save_config
+
+    cfg = {"output_dir": str(tmp_path), "model": {"policy": "p"}, "task": {"prompts": "rg:chain_sum"}}
+    first = RLHFPipeline(cfg)
+    assert first.changed_settings() == ""  # a new folder
+    save_config(first.cfg, tmp_path / "config.yaml")
+    assert RLHFPipeline({**cfg, "estimate": False}).changed_settings() == ""  # not a setting of any stage
+    again = RLHFPipeline({**cfg, "ppo": {"steps": 20}})
+    assert again.changed_settings() == "ppo.steps 10 -> 20"

@@ -111,6 +111,10 @@ class RLHFPipeline:
             if not dpo_available():
                 raise ConfigError("--dpo: this tether has no `tether dpo` (tether.dpo.train); run without --dpo")
         self.out.mkdir(parents=True, exist_ok=True)
+        changed = self.changed_settings()
+        if changed:
+            print(f"note: {self.out} was started with other settings ({changed}); its complete stages are kept as "
+                  "they are: delete a stage's folder to run it again", flush=True)
         save_config(self.cfg, self.out / "config.yaml")
         plan, started = self.plan(), time.perf_counter()
         done = {st.name for st in plan if (self.out / st.name / MARKER).is_file()}
@@ -131,6 +135,20 @@ class RLHFPipeline:
         write_results(self.out, results)
         print(f"\ntether rlhf: report in {self.out / 'report.md'}, results in {self.out / 'results.json'}")
         return results
+
+    def changed_settings(self) -> str:
+        """The keys whose values differ from those of the run already in ``--output-dir`` ('' when none or new)."""
+        import yaml
+
+        from tether.config import flatten
+
+        path = self.out / "config.yaml"
+        if not path.is_file():
+            return ""
+        then = flatten(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+        now = flatten(config_to_dict(self.cfg))
+        keys = [k for k in now if k not in ("estimate", "progress") and then.get(k) != now[k]]
+        return ", ".join(f"{k} {then.get(k)!r} -> {now[k]!r}" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
 
     def run_stage(self, stage: Stage) -> dict:
         d = self.out / stage.name
