@@ -90,10 +90,15 @@ def check_finite(model, what: str, state_dict: dict | None = None) -> None:
 
 def clean_temporary(run_dir: Path) -> None:
     """Remove the temporary and replaced files and folders a killed process left in the run directory and
-    under ``checkpoints/`` (call it before anything is written: the names carry no owner but a pid)."""
+    under ``checkpoints/`` (call it before anything is written: the names carry no owner but a pid). A folder
+    replaced by :func:`atomic_dir` whose new copy never arrived (killed between its two renames) is put back."""
     for root in (Path(run_dir), Path(run_dir) / "checkpoints"):
         if root.is_dir():
-            for p in root.iterdir():
+            for p in sorted(root.iterdir()):
+                name = p.name[len(".old-"):].rsplit("-", 1)[0]
+                if p.name.startswith(".old-") and p.is_dir() and not (root / name).exists():
+                    os.replace(p, root / name)  # the previous copy is the complete one
+                    continue
                 if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
                 elif p.name.startswith((".tmp-", ".old-")):
@@ -124,10 +129,13 @@ def atomic_dir(target: Path, write) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_state: dict, keep: int,
-                    policy_state: dict | None = None, critic_state: dict | None = None) -> Path:
+                    policy_state: dict | None = None, critic_state: dict | None = None, target: Path | None = None,
+                    also=None) -> Path:
     """Write checkpoint ``step``; keep the ``keep`` newest. ``policy_state``/``critic_state``: full state
     dicts gathered from sharded models (FSDP2), written in place of the modules' own. Weights with NaN/Inf
-    are refused (TetherError). ``critic`` None: a critic-free run, no critic file."""
+    are refused (TetherError). ``critic`` None: a critic-free run, no critic file. ``target``: write the
+    checkpoint there instead (``RUN_DIR/best``), outside the rotation; ``also(tmp_dir)``: more files written
+    into the same temporary folder, so they appear with the weights or not at all."""
     check_finite(policy_model, f"checkpoint step {step}: policy", policy_state)
     if critic is not None:
         check_finite(critic, f"checkpoint step {step}: critic", critic_state)
@@ -139,8 +147,12 @@ def save_checkpoint(run_dir: Path, step: int, policy_model, critic, trainer_stat
             save_file({k: v.detach().contiguous() for k, v in critic_state_.items()},
                       str(tmp / "critic.safetensors"))
         torch.save(trainer_state, tmp / "trainer_state.pt")
+        if also is not None:
+            also(tmp)
 
-    path = atomic_dir(checkpoint_dir(run_dir, step), write)
+    path = atomic_dir(target if target is not None else checkpoint_dir(run_dir, step), write)
+    if target is not None:  # not one of the periodic checkpoints: nothing rotates
+        return path
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return path

@@ -13,6 +13,7 @@ import torch
 
 from tether.checkpoint import (checkpoint_dir, list_checkpoints, load_checkpoint, rng_state, save_checkpoint,
                                set_rng_state)
+from tether.diagnostics.best import BEST_DIR, BEST_JSON, RULE
 from tether.errors import TetherError
 from tether.sharding import (
     full_model_state,
@@ -41,12 +42,15 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
             **({"in_flight": in_flight} if in_flight is not None else {})}
 
 
-def health_book(healthy_checkpoints: list[tuple[int, Path]], skip_streak: int) -> dict:
+def health_book(healthy_checkpoints: list[tuple[int, Path]], skip_streak: int, best: dict | None = None) -> dict:
     """What the trainer's health decisions carry from step to step, for a checkpoint: the steps of the checkpoints
     saved while no band was in alarm (``--rollback-on-alarm``'s targets) and the streak of steps whose optimizer
     updates were all skipped (B16's stop). Without them a resumed run had nothing to roll back to where the
-    uninterrupted run rolled back, and restarted the streak at 0."""
-    return {"healthy_steps": [int(step) for step, _ in healthy_checkpoints], "skip_streak": int(skip_streak)}
+    uninterrupted run rolled back, and restarted the streak at 0. ``best``: the best evaluation so far and the
+    evaluations seen (``{"best": BestEvaluation dict or None, "seen": n}``), so that a resumed run judges its next
+    evaluations against it (``--keep-best``)."""
+    return {"healthy_steps": [int(step) for step, _ in healthy_checkpoints], "skip_streak": int(skip_streak),
+            "best": best or {"best": None, "seen": 0}}
 
 
 def from_health_book(book: dict, run_dir: Path) -> tuple[list[tuple[int, Path]], int]:
@@ -201,10 +205,13 @@ def load_weights(run, path: Path) -> dict:
     return load_checkpoint(path, m.unwrapped_policy, m.unwrapped_critic)
 
 
-def checkpoint(run, cfg, run_dir: Path, step: int, health: dict | None = None) -> Path | None:
+def checkpoint(run, cfg, run_dir: Path, step: int, health: dict | None = None, best: dict | None = None
+               ) -> Path | None:
     """Save checkpoint ``step`` (weights and trainer state from the main process, every process's RNG
     state, one step off every trainer's batch in flight, the main process's ``health`` bookkeeping); every process
-    waits for it. Returns its path on the main process."""
+    waits for it. Returns its path on the main process. ``best``: the checkpoint of the best evaluation
+    (``--keep-best``) — written to ``RUN_DIR/best`` outside the rotation, with ``best.json`` (``best``) and
+    ``model/`` (the policy as :mod:`tether.ppo.export` writes it, tokenizer beside it), in one atomic rename."""
     ahead = run.data.ahead
     in_flight = run.processes.gather_objects(ahead.state_dict(run)) if ahead is not None else None
     rng_per_rank = run.processes.gather_objects(rng_state())
@@ -219,7 +226,25 @@ def checkpoint(run, cfg, run_dir: Path, step: int, health: dict | None = None) -
     saved = None
     if run.processes.is_main:
         state = trainer_state(run, step, rng_per_rank, sharded.pop("optimizers", None), in_flight, health)
+        also = target = None
+        if best is not None:
+            target, also = run_dir / BEST_DIR, best_files(run, cfg, best, sharded.get("policy_state"))
         saved = save_checkpoint(run_dir, step, m.unwrapped_policy, m.unwrapped_critic, state, cfg.keep_checkpoints,
-                                **sharded)
+                                **sharded, target=target, also=also)
     run.processes.wait()
     return saved
+
+
+def best_files(run, cfg, best: dict, policy_state: dict | None):
+    """What ``RUN_DIR/best`` holds beside the checkpoint: ``best.json`` (the evaluation, how it was chosen) and
+    ``model/``, the policy as the run's final export would write it (merged LoRA or the adapter, ``--model-dtype``,
+    the tokenizer), loadable with ``from_pretrained`` and as a new run's ``--policy``."""
+    import json
+
+    from tether.export import write_policy
+
+    def also(tmp: Path) -> None:
+        (tmp / BEST_JSON).write_text(json.dumps({**best, "rule": RULE}, indent=1) + "\n", encoding="utf-8")
+        write_policy(tmp / "model", run.models.unwrapped_policy, run.models.tokenizer, cfg.model.export_lora,
+                     cfg.model.dtype, policy_state)
+    return also

@@ -22,6 +22,7 @@ import torch
 from tether.callbacks import Callbacks, StepRecord, TrainResult
 from tether.checkpoint import clean_temporary
 from tether.config import check_config
+from tether.diagnostics.best import BEST_DIR, BestEvaluation, consider, measure_of
 from tether.errors import TetherError
 from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
@@ -131,6 +132,9 @@ class PPOTrainer:
             self.monitor.update(row["step"], row)
         # saved while no band was in alarm; the streak of steps with every update skipped (both in the checkpoints)
         self.healthy_checkpoints, self.skip_streak = from_health_book(book, self.run_dir)
+        # the best evaluation so far (tether.diagnostics.best), tracked with or without --keep-best, in the checkpoints
+        self.best, self.evals_seen = BestEvaluation.from_dict(book.get("best", {}).get("best")), \
+            int(book.get("best", {}).get("seen", 0))
         self.bar = Progress(run, cfg, self.steps_done)  # the start-up summary; per step a bar or a plain line
         # One process cannot wait for another: the hang watchdog watches multi-process runs (docs/distributed.md).
         self.watchdog = (start_watchdog(cfg.health.hang_seconds, run.processes.rank, self.run_dir)
@@ -143,6 +147,7 @@ class PPOTrainer:
             with self.log.closed_on_error(), phase("eval"):
                 self.log.metrics(row0 := {"step": 0, **self.evaluated(0)})
                 self.bar.evaluated(row0)
+                self.keep_best(0, row0)
 
     @property
     def is_rollout_process(self) -> bool:
@@ -168,7 +173,8 @@ class PPOTrainer:
         notes = metrics.pop("health/notes", [])
         # B16: only a step stalled by non-finite values counts, not one with no group with spread (#51)
         self.skip_streak = self.skip_streak + 1 if metrics.pop("health/non_finite_stall", False) else 0
-        if run.data.eval_every and (step % run.data.eval_every == 0 or step == cfg.steps):
+        evaluates = bool(run.data.eval_every) and (step % run.data.eval_every == 0 or step == cfg.steps)
+        if evaluates:
             with phase("eval"):
                 metrics.update(self.evaluated(step))  # (a batch in flight to the rollout processes is collected first)
         record = StepRecord(step=step, metrics={"step": step, **metrics})
@@ -186,6 +192,8 @@ class PPOTrainer:
         # The main process decides (only it has the evaluation metrics the gold band reads), every process follows.
         alarm = run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback))
         stop = run.processes.broadcast(self.callbacks.stop_reason)
+        if evaluates:  # before the periodic checkpoint, which carries the best so far
+            self.keep_best(step, row)
         if checkpoint_due(run, cfg, step, self.last_save) or (stop and not alarm and step < cfg.steps):
             with phase("checkpoint"):
                 record.checkpoint = self.save(step)
@@ -256,10 +264,27 @@ class PPOTrainer:
         metrics = evaluate_and_log(self.run, self.cfg, self.log, step)
         return self.callbacks("on_evaluate", dict(metrics), into=metrics) if metrics else metrics
 
+    def keep_best(self, step: int, row: dict) -> None:
+        """After an evaluation: when it beats the best so far (:func:`tether.diagnostics.best.consider`, decided on the
+        main process, which alone has the evaluation), remember it and, with ``--keep-best``, write its checkpoint to
+        ``RUN_DIR/best`` (every process takes part). The best changes only once its checkpoint is complete: a save
+        that fails leaves the previous best on disk and in memory."""
+        self.evals_seen += measure_of(row) is not None
+        new = consider(self.best, row, self.evals_seen) if self.run.processes.is_main else None
+        new = self.run.processes.broadcast(new.to_dict() if new is not None else None)
+        if new is None:
+            return
+        if self.cfg.eval.keep_best:
+            book = health_book(self.healthy_checkpoints, self.skip_streak, {"best": new, "seen": self.evals_seen})
+            checkpoint(self.run, self.cfg, self.run_dir, step, book, best=new)
+            self.log.print(f"[best] {BestEvaluation.from_dict(new).describe()}: checkpoint in {self.run_dir / BEST_DIR}")
+        self.best = BestEvaluation.from_dict(new)
+
     def save(self, step: int) -> Path | None:
         """Checkpoint ``step`` (every process takes part); its path on the main process."""
         healthy = self.monitor.healthy
-        book = health_book(self.healthy_checkpoints + [(step, None)] * healthy, self.skip_streak)
+        book = health_book(self.healthy_checkpoints + [(step, None)] * healthy, self.skip_streak,
+                           {"best": self.best.to_dict() if self.best else None, "seen": self.evals_seen})
         saved = checkpoint(self.run, self.cfg, self.run_dir, step, book)
         self.last_save = time.monotonic()
         if saved is not None:

@@ -86,6 +86,10 @@ TRL_HINTS: dict[str, str] = {
     "dataset_text_field": "rows with a `text` field are read as text (docs/data-formats.md)",
     "center_rewards_coefficient": "tether standardises the scores on a reference sample (`norm_sample`) instead",
     "reward_funcs": "a trainer argument, not a config key: PPOTrainer(config, reward=...)",
+    "load_best_model_at_end": "for PPO `eval.keep_best` (--keep-best): the best evaluation's checkpoint and model in "
+                              "RUN_DIR/best beside the last step's policy/, which it does not replace",
+    "metric_for_best_model": "`eval.keep_best` judges by held-out gold accuracy (eval/accuracy), else held-out "
+                             "reward (eval/reward); not configurable",
 }
 
 
