@@ -19,7 +19,7 @@ _LAZY = {
     "RewardModel": "tether.rm.model",
     "RewardEnsemble": "tether.rm.model",
     "ProcessRewardModel": "tether.rm.process",
-    "RewardTrainer": "tether.rm.train",
+    "RewardTrainer": "tether.rm.trainer",
     "RewardTrainingConfig": "tether.rm.config",
     "PPOTrainer": "tether.ppo.train",
     "SFTTrainer": "tether.sft.train",

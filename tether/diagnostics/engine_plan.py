@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tether.diagnostics.plan import DTYPE_BYTES, GB, PlanConfig, model_static, shard_elements
+from tether.diagnostics.memory import DTYPE_BYTES, GB, PlanConfig, model_static, shard_elements
 from tether.diagnostics.shapes import ModelShape
 
 

@@ -142,7 +142,7 @@ def rm_stage(cfg: RLHFConfig, backbone: str, pair_files: list[str], d: Path) -> 
     what it learned on the training problems' own replies (:func:`tether.pipeline.probe.probe_reward_model`)."""
     from tether.pipeline.probe import probe_reward_model
     from tether.rm.config import RewardTrainingConfig
-    from tether.rm.train import RewardTrainer
+    from tether.rm.trainer import RewardTrainer
 
     c, r = RewardTrainingConfig(), cfg.rm
     c.optim.epochs, c.optim.lr, c.optim.batch_size, c.data.eval_fraction = r.epochs, r.lr, r.batch_size, \

@@ -1,5 +1,5 @@
 """``tether train-rm``: flags and YAML for :class:`~tether.rm.config.RewardTrainingConfig`, then
-:class:`tether.rm.train.RewardTrainer` (the Python API's code path)."""
+:class:`tether.rm.trainer.RewardTrainer` (the Python API's code path)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tether.rm.train import RewardTrainer
+    from tether.rm.trainer import RewardTrainer
 
     RewardTrainer(resolve_config(RewardTrainingConfig, args, args.config), resume=args.resume).train()
     return 0
