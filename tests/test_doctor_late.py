@@ -98,7 +98,11 @@ def test_entropy_blowing_up_late_is_named_against_the_run_start():
         ENTROPY_BLOWUP, "entropy_rise", expected_onset, expected_alarm)
     assert [p["key"] for p in d.prescriptions][:2] == ["optim.lr", "kl.coef"]
     assert any("--keep-best" in p["action"] for p in d.prescriptions)
-    assert any("clip-higher" in p["action"] and "collapse" in p["action"] for p in d.prescriptions)
+    clip_high = next(p for p in d.prescriptions if p["key"] == "ppo.clip_range_high")
+    assert "collapse" in clip_high["action"] and clip_high["suggestion"] is None  # not set: nothing to set back
+    d = diagnose(rows, run_config={"ppo": {"clip_range": 0.2, "clip_range_high": 0.28}})
+    clip_high = next(p for p in d.prescriptions if p["key"] == "ppo.clip_range_high")
+    assert (clip_high["current"], clip_high["suggestion"]) == (0.28, "none (= ppo.clip_range)")
     d = diagnose(rows, run_config={"optim": {"lr": 1e-5}, "kl": {"coef": 0.0}})
     assert [(p["current"], p["suggestion"]) for p in d.prescriptions[:2]] == [(1e-5, "5e-06"), (0.0, "0.05–0.2 (β = 0: the tether is off)")]
 

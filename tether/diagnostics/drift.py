@@ -46,6 +46,7 @@ def _beta(current):
     return f"{current * 2:.3g}–{current * 4:.3g}" if isinstance(current, (int, float)) else None
 
 
+# no key: the doctor's own best-evaluation line (tether.diagnostics.best) carries eval.keep_best when the run fell
 _KEEP_BEST = ("use the best held-out evaluation's checkpoint rather than the last (--keep-best keeps it in "
               "RUN_DIR/best): the run was better before the drift", None)
 _ROLLBACK = ("roll back to the last checkpoint saved while healthy, with the settings above", "health.rollback",
@@ -57,7 +58,8 @@ PRESCRIPTIONS: dict[str, list[tuple]] = {
         ("lower the actor learning rate", "optim.lr", _half),
         ("raise β, the KL coefficient: the reference's entropy is where the tether pulls back to", "kl.coef", _beta),
         ("if the upper clip is widened (clip-higher, DAPO): that is a cure for entropy *collapse*; in a blow-up it "
-         "lets unlikely tokens grow faster, so set it back to the lower one", None),
+         "lets unlikely tokens grow faster, so set it back to the lower one", "ppo.clip_range_high",
+         lambda c: "none (= ppo.clip_range)" if c is not None else None),
         ("no entropy bonus while entropy rises", "ppo.entropy_coef", lambda c: "0", _is(0, 0.0)),
         _KEEP_BEST,
         _ROLLBACK,
