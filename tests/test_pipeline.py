@@ -172,17 +172,24 @@ def test_a_kill_inside_ppo_resumes_from_its_checkpoint(runs):
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
 
 
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    return make_policy_dir(tmp_path_factory.mktemp("policy"))
+
+
 @pytest.mark.parametrize("args, says", [
     (["--task", "rg:no_such_dataset"], "rg:no_such_dataset"),
+    (["--task", "rg:chain_sum", "--policy", "no/such_policy_dir"], "no/such_policy_dir"),
+    (["--task", "rg:chain_sum", "--sft-data", "missing-sft.jsonl"], "missing-sft.jsonl"),
     (["--task", "missing.jsonl", "--gold", "pipeline_rules:has_one"], "missing.jsonl"),
     (["--task", "PROMPTS"], "--gold: required"),
     (["--task", "PROMPTS", "--gold", "pipeline_rules:no_such_rule"], "--gold"),
     (["--task", "rg:chain_sum:no_such_knob=3"], "no_such_knob"),
 ])
-def test_a_bad_task_is_one_line(tmp_path, capsys, args, says):
+def test_a_bad_input_is_one_line(tmp_path, capsys, tiny_policy, args, says):
     prompts = make_prompts_file(tmp_path, n=4)
     args = [str(prompts) if a == "PROMPTS" else a for a in args]
-    assert main(["rlhf", "--policy", str(tmp_path / "policy"), "--output-dir", str(tmp_path / "out"), *args]) == 2
+    assert main(["rlhf", "--policy", str(tiny_policy), "--output-dir", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tether rlhf: error:") and "\n" not in err and says in err
     assert not (tmp_path / "out").exists()  # nothing written before the inputs are good

@@ -27,11 +27,17 @@ def gold_spec(cfg: RLHFConfig) -> str:
 
 
 def check_task(cfg: RLHFConfig) -> None:
-    """One-line errors before anything runs: the gold rule imports, an rg: task parses and reasoning-gym takes it, a
-    prompt file exists."""
+    """One-line errors before anything runs: the policy (and reward-model backbone) resolve to model folders, the gold
+    rule imports, an rg: task parses and reasoning-gym takes it, the prompt and SFT files exist."""
+    from tether.presets import resolve_model_path
     from tether.rules import load_rule
 
+    resolve_model_path(cfg.model.policy, what="policy")  # a Hub id is fetched here, as the first stage would
+    if cfg.model.reward_model:
+        resolve_model_path(cfg.model.reward_model, what="reward-model backbone")
     load_rule(gold_spec(cfg), flag="--gold")
+    if cfg.sft.data and not cfg.sft.data.startswith("hf:") and not Path(cfg.sft.data).exists():
+        raise ConfigError(f"--sft-data {cfg.sft.data}: no such file")
     if cfg.task.prompts.startswith("rg:"):
         from tether.tasks import task_rows
 
