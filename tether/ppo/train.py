@@ -193,7 +193,8 @@ class PPOTrainer:
         alarm = run.processes.broadcast(bool(alerts) and (cfg.health.stop_on_alarm or cfg.health.rollback))
         stop = run.processes.broadcast(self.callbacks.stop_reason)
         if evaluates:  # before the periodic checkpoint, which carries the best so far
-            self.keep_best(step, row)
+            with phase("checkpoint"):  # (the hang watchdog's name for it: a save, collective)
+                self.keep_best(step, row)
         if checkpoint_due(run, cfg, step, self.last_save) or (stop and not alarm and step < cfg.steps):
             with phase("checkpoint"):
                 record.checkpoint = self.save(step)
