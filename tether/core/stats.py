@@ -91,9 +91,9 @@ def squared_change(before: list[torch.Tensor], after: list[torch.Tensor]) -> tor
     so that shards (FSDP2: each process holds a slice of every tensor) add before the square root."""
     if len(before) != len(after):
         raise ValueError(f"squared_change: {len(before)} tensors before, {len(after)} after")
-    total = torch.zeros((), dtype=torch.float64)
-    for b, a in zip(before, after):
-        total += (a.detach().double() - b.detach().to(a.device).double()).pow(2).sum().cpu()
+    total = torch.zeros((), dtype=torch.float64, device=after[0].device if after else "cpu")
+    for b, a in zip(before, after):  # one tensor's difference at a time: no second copy of the whole model
+        total += (a.detach().double() - b.detach().to(a.device).double()).pow(2).sum().to(total.device)
     return total
 
 

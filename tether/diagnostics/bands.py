@@ -9,8 +9,18 @@ those modules.
 from __future__ import annotations
 
 from tether.diagnostics.band import GOLD_MEASURES, MEASURES, Band, _number  # noqa: F401  importable from here too
-from tether.diagnostics.drift import ENTROPY_BLOWUP, ENTROPY_RISE_BAND, REPETITION, REPETITION_BAND  # noqa: F401
-from tether.diagnostics.noop import ADVANTAGES_ZERO, ENGINE_BEHIND, NOOP_BANDS, WEIGHTS_UNCHANGED  # noqa: F401
+from tether.diagnostics.drift import (  # noqa: F401  their failure modes importable from here with the others
+    ENTROPY_BLOWUP,
+    ENTROPY_RISE_BAND,
+    REPETITION,
+    REPETITION_BAND,
+)
+from tether.diagnostics.noop import (  # noqa: F401  likewise
+    ADVANTAGES_ZERO,
+    ENGINE_BEHIND,
+    NOOP_BANDS,
+    WEIGHTS_UNCHANGED,
+)
 
 # Failure modes, named as in SPEC D2.
 KL_EXPLOSION = "KL explosion"

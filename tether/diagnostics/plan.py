@@ -43,13 +43,13 @@ import json
 from tether.cli_flags import add_config_flags
 from tether.config import config_to_dict, resolve_config
 from tether.diagnostics.engine_plan import engine_plan, format_engine_plan, trainer_engine
-from tether.diagnostics.memory import (  # noqa: F401  kv_cache_bytes, model_static: importable from here as before
+from tether.diagnostics.memory import (  # the memory model; its names importable from here as before
     DTYPE_BYTES,
     FROZEN,
     GB,
     PHASES,
-    PlanConfig,
     STATES,
+    PlanConfig,
     critic_lora_r,
     kv_cache_bytes,
     layer_activation_bytes,
@@ -59,6 +59,7 @@ from tether.diagnostics.memory import (  # noqa: F401  kv_cache_bytes, model_sta
     train_activation_bytes,
 )
 from tether.diagnostics.shapes import ModelShape, resolve_shape
+
 
 def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
     """Per-GPU bytes for each model and phase, totals, peak and whether it fits ``cfg.gpu_memory``."""
