@@ -29,13 +29,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-WORDS = ("the a model policy value reward cat dog runs jumps over under quick slow red blue green small large "
-         "token text story once upon time there was and then it said hello world why how what").split()
-ARMS = {"before": dict(packing=False, old_logprobs="forward", reference="always"),
-        "packed": dict(packing=None, old_logprobs="forward", reference="always"),
-        "skips": dict(packing=None, old_logprobs="auto", reference="auto")}
+WORDS = ["the", "a", "model", "policy", "value", "reward", "cat", "dog", "runs", "jumps", "over", "under", "quick", "slow", "red", "blue", "green", "small", "large", "token", "text", "story", "once", "upon", "time", "there", "was", "and", "then", "it", "said", "hello", "world", "why", "how", "what"]
+ARMS = {"before": {"packing": False, "old_logprobs": "forward", "reference": "always"},
+        "packed": {"packing": None, "old_logprobs": "forward", "reference": "always"},
+        "skips": {"packing": None, "old_logprobs": "auto", "reference": "auto"}}
 
 
 def cpu_name() -> str:

@@ -29,8 +29,8 @@ def files(tmp_path_factory):
 
 
 def _grpo(tmp_path, files, name, **overrides):
-    settings = dict(samples_per_prompt=K, advantage__estimator="grpo", batch_size=4, ppo__mini_batches=1,
-                    ppo__epochs=1, generation__max_new_tokens=5)
+    settings = {"samples_per_prompt": K, "advantage__estimator": "grpo", "batch_size": 4, "ppo__mini_batches": 1,
+                    "ppo__epochs": 1, "generation__max_new_tokens": 5}
     return tiny_config(tmp_path / name, *files, **{**settings, **overrides})
 
 
@@ -60,8 +60,8 @@ def _one_step(cfg, monkeypatch, step_patch=None):
 def _assert_same_grads(a: dict, b: dict):
     assert a.keys() == b.keys() and len(a) > 0
     assert sum(float(g.abs().sum()) for g in a.values()) > 0  # an update happened: something to compare
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-4, msg=name)
+    for name, grad in a.items():
+        torch.testing.assert_close(b[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def _assert_same(metrics_a: dict, metrics_b: dict, keys):
@@ -77,10 +77,10 @@ def test_old_logprobs_from_the_training_forward_equal_the_separate_pass(files, t
     """One epoch of one minibatch: the same loss, gradients and metrics as the separate old-log-prob pass, with
     one scoring forward fewer (GRPO with the KL as a loss term; β = 0 over two micro-batches; GAE on a separate
     critic with β = 0, whose reference pass is skipped both ways)."""
-    overrides = {"kl_in_loss": dict(kl__penalty_in="loss", kl__coef=0.1),
-                 "beta0_grad_accumulation": dict(kl__coef=0.0, ppo__grad_accumulation=2, ppo__entropy_coef=0.01),
-                 "separate_critic": dict(advantage__estimator="gae", critic__kind="separate", kl__coef=0.0,
-                                         samples_per_prompt=1, batch_size=8)}[case]
+    overrides = {"kl_in_loss": {"kl__penalty_in": "loss", "kl__coef": 0.1},
+                 "beta0_grad_accumulation": {"kl__coef": 0.0, "ppo__grad_accumulation": 2, "ppo__entropy_coef": 0.01},
+                 "separate_critic": {"advantage__estimator": "gae", "critic__kind": "separate", "kl__coef": 0.0,
+                                         "samples_per_prompt": 1, "batch_size": 8}}[case]
     full = _grpo(tmp_path, files, "full", ppo__old_logprobs="forward", **overrides)
     skip = _grpo(tmp_path, files, "skip", **overrides)
     assert plan_skips(skip, critic_is_head=False).old_logprobs
@@ -99,13 +99,13 @@ def test_old_logprobs_from_the_training_forward_equal_the_separate_pass(files, t
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (dict(ppo__epochs=2), "ppo.epochs 2"),
-    (dict(ppo__mini_batches=2), "ppo.mini_batches 2"),
-    (dict(kl__coef=0.05), "per-token KL in the reward"),
-    (dict(advantage__estimator="gae", samples_per_prompt=1, batch_size=8, kl__coef=0.0), "value head"),
-    (dict(kl__coef=0.0, correction__mode="tis"), "--rollout-correction tis"),
-    (dict(kl__coef=0.0, model__lora_r=4, model__lora_dropout=0.1), "--lora-dropout"),
-    (dict(kl__coef=0.0, ppo__old_logprobs="forward"), "ppo.old_logprobs forward"),
+    ({"ppo__epochs": 2}, "ppo.epochs 2"),
+    ({"ppo__mini_batches": 2}, "ppo.mini_batches 2"),
+    ({"kl__coef": 0.05}, "per-token KL in the reward"),
+    ({"advantage__estimator": "gae", "samples_per_prompt": 1, "batch_size": 8, "kl__coef": 0.0}, "value head"),
+    ({"kl__coef": 0.0, "correction__mode": "tis"}, "--rollout-correction tis"),
+    ({"kl__coef": 0.0, "model__lora_r": 4, "model__lora_dropout": 0.1}, "--lora-dropout"),
+    ({"kl__coef": 0.0, "ppo__old_logprobs": "forward"}, "ppo.old_logprobs forward"),
 ])
 def test_old_logprobs_pass_kept_where_something_needs_it(files, tmp_path, overrides, reason):
     cfg = _grpo(tmp_path, files, "refused", **{"kl__penalty_in": "reward", **overrides})
@@ -132,7 +132,7 @@ def test_reference_skipped_at_beta_zero_gives_the_same_update(files, tmp_path, m
     """β = 0 throughout (kl.coef 0, fixed, --kl-in reward) and two epochs of two minibatches (the old pass runs):
     without the reference pass the gradients and metrics are those of the run that computed it, and the KL
     metrics are left out, not written as 0."""
-    shape = dict(ppo__epochs=2, ppo__mini_batches=2, kl__coef=0.0)
+    shape = {"ppo__epochs": 2, "ppo__mini_batches": 2, "kl__coef": 0.0}
     if estimator == "gae":
         shape.update(advantage__estimator="gae", samples_per_prompt=1, batch_size=8)
     full = _grpo(tmp_path, files, "always", kl__reference="always", **shape)
@@ -147,10 +147,10 @@ def test_reference_skipped_at_beta_zero_gives_the_same_update(files, tmp_path, m
     assert all(k in m_full for k in kl_keys) and not any(k in m_skip for k in kl_keys)
 
 
-@pytest.mark.parametrize("overrides", [dict(kl__coef=0.05), dict(kl__coef=0.05, kl__penalty_in="loss"),
-                                       dict(kl__coef=0.0, kl__penalty_in="loss"),
-                                       dict(kl__coef=0.05, kl__controller="adaptive"),
-                                       dict(kl__coef=0.0, kl__reference="always")])
+@pytest.mark.parametrize("overrides", [{"kl__coef": 0.05}, {"kl__coef": 0.05, "kl__penalty_in": "loss"},
+                                       {"kl__coef": 0.0, "kl__penalty_in": "loss"},
+                                       {"kl__coef": 0.05, "kl__controller": "adaptive"},
+                                       {"kl__coef": 0.0, "kl__reference": "always"}])
 def test_reference_pass_kept_where_the_kl_is_used_or_asked(files, tmp_path, overrides):
     cfg = _grpo(tmp_path, files, "ref", **{"ppo__epochs": 2, **overrides})
     assert not plan_skips(cfg, critic_is_head=False).reference

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class ForwardSkips:
     """What :func:`plan_skips` decided for the run, with the reason for each."""
@@ -111,7 +110,7 @@ class TrainingForwardLog:
         self.rows = rows                                   # (b,) the original row numbers of this selection
         self.store = [] if store is None else store
 
-    def select(self, index: torch.Tensor) -> "TrainingForwardLog":
+    def select(self, index: torch.Tensor) -> TrainingForwardLog:
         return TrainingForwardLog(self.rows[index.to(self.rows.device)], self.store)
 
     def record(self, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> None:

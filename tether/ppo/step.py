@@ -25,6 +25,7 @@ import torch
 from tether.core.advantages import gae, shaped_rewards, whiten
 from tether.core.group import critic_free_advantages
 from tether.core.kl import kl_penalty
+from tether.ppo.draw import draw_step_batch
 from tether.ppo.forward import critic_values, forward_response
 from tether.ppo.metrics import (
     global_masked_mean,
@@ -41,7 +42,6 @@ from tether.ppo.metrics import (
 from tether.ppo.noop import advantage_metrics, after_update, before_update
 from tether.ppo.offpolicy import Batch, correction_metrics, step_correction_weights
 from tether.ppo.perf import PhaseTimer
-from tether.ppo.draw import draw_step_batch
 from tether.ppo.records import Experience
 from tether.ppo.skips import TrainingForwardLog, training_logprobs
 from tether.ppo.sources import RewardScores, postprocess_scores
@@ -71,7 +71,7 @@ def rollout_batch(models, cfg, rows: list[dict], greedy: bool = False) -> tuple[
 def ppo_step(run, cfg, step: int) -> dict:
     """One PPO step on ``run`` (:class:`~tether.ppo.setup.Run`). Returns the metrics."""
     p, m, o, d = run.processes, run.models, run.optim, run.data
-    timer, temperature = PhaseTimer(), cfg.generation.temperature
+    timer = PhaseTimer()
 
     # 1. Rollout (B1) and the reward sources' scores (B4, A9; sequence and dense channels apart): sampled now — an
     # engine holding its own weights takes the current ones first (C3; here, so a resumed run is covered too) — or
