@@ -88,8 +88,8 @@ def run_steps(tmp_path, name, monkeypatch=None, engine_logprobs=None, steps=2, *
     if monkeypatch is not None:
         original_sample, original_epochs = step_module.sample_batch, step_module.ppo_epochs
 
-        def sample(run, cfg, step, timer):
-            batch = original_sample(run, cfg, step, timer)
+        def sample(run, cfg, step, timer, n=None):
+            batch = original_sample(run, cfg, step, timer, n)
             with torch.inference_mode():
                 old, _, _ = forward_response(run.models.policy_model, batch.rollout, cfg.generation.temperature)
             planted = engine_logprobs(old.clone()) * batch.rollout.response_mask
