@@ -167,6 +167,22 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
         cfg.validate()
 
 
+def test_the_default_bound_stays_below_a_short_collective_timeout():
+    """Unset, the bound is 300 s, or half the collective timeout when that is shorter (--collective-timeout-minutes
+    3 was refused by a fixed 300 s default)."""
+    from tether.ppo.checks import hang_seconds
+    from tether.ppo.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.model.policy, cfg.data.prompts, cfg.reward.sources = "tiny-gpt2", "p.jsonl", ["tether.rules:char_share"]
+    assert hang_seconds(cfg) == 300.0
+    cfg.collective_timeout_minutes = 3.0
+    cfg.validate()
+    assert hang_seconds(cfg) == 90.0
+    cfg.health.hang_seconds = 20.0
+    assert hang_seconds(cfg) == 20.0
+
+
 def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

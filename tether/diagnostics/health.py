@@ -49,10 +49,11 @@ class HealthConfig:
     max_skipped_steps: int = option(3, "stop the run after this many consecutive steps whose optimizer updates "
                                     "were all skipped for non-finite losses or gradients", low=1,
                                     flag="--max-skipped-steps")
-    hang_seconds: float = option(300.0, "several processes: seconds a process may stay in one phase before it writes "
-                                 "one line and an alerts.jsonl row naming its rank, phase and step, and its threads' "
-                                 "stacks (the hang watchdog, docs/distributed.md); below the collective timeout; "
-                                 "0 = off", low=0.0, flag="--hang-timeout")
+    hang_seconds: float | None = option(None, "several processes: seconds a process may stay in one phase before it "
+                                        "writes one line and an alerts.jsonl row naming its rank, phase and step, "
+                                        "and its threads' stacks (the hang watchdog, docs/distributed.md); below the "
+                                        "collective timeout; null (default) = 300 s or half the collective timeout "
+                                        "if that is shorter; 0 = off", low=0.0, flag="--hang-timeout")
     bands: list[str] = option([], "override a band: NAME=HEALTHY_LOW:HEALTHY_HIGH:ALARM_LOW:ALARM_HIGH "
                                   "(empty = no bound) or NAME=off", repeat=True, flag="--health-band")
 

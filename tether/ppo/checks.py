@@ -63,7 +63,8 @@ def check_defaults_apply(cfg) -> None:
                  else "--eval-fraction 0 and no --eval-prompts")
         raise ConfigError(f"--eval-every {cfg.eval.every}: no held-out prompts to evaluate ({where}); give "
                           "--eval-prompts FILE or --eval-fraction F, or --eval-every 0")
-    if cfg.health.hang_seconds >= cfg.collective_timeout_minutes * 60:  # the collective would fail the run first
+    if cfg.health.hang_seconds is not None and cfg.health.hang_seconds >= cfg.collective_timeout_minutes * 60:
+        # the collective would fail the run first
         raise ConfigError(f"--hang-timeout {cfg.health.hang_seconds:g}: not below the collective timeout "
                           f"({cfg.collective_timeout_minutes:g} min = {cfg.collective_timeout_minutes * 60:g} s), "
                           "so no hang alert could come before the run fails; lower it or raise "
@@ -115,3 +116,11 @@ def run_warnings(cfg) -> list[str]:
                  else "the task's own held-out problems (data.task_eval)")
         out.append(f"--eval-fraction {cfg.data.eval_fraction:g}: ignored; the held-out prompts are {given}")
     return out
+
+
+def hang_seconds(cfg) -> float:
+    """The hang watchdog's bound: ``health.hang_seconds``, or by default 300 s or half the collective timeout when
+    that is shorter (an alert must come before the collective fails the run)."""
+    if cfg.health.hang_seconds is not None:
+        return cfg.health.hang_seconds
+    return min(300.0, cfg.collective_timeout_minutes * 60 / 2)

@@ -24,6 +24,7 @@ from tether.checkpoint import clean_temporary
 from tether.config import check_config
 from tether.diagnostics.best import BEST_DIR, BestEvaluation, consider, measure_of
 from tether.errors import TetherError
+from tether.ppo.checks import hang_seconds
 from tether.ppo.config import RunConfig
 from tether.ppo.evaluate import evaluate
 from tether.ppo.export import export_policy
@@ -137,7 +138,7 @@ class PPOTrainer:
             int(book.get("best", {}).get("seen", 0))
         self.bar = Progress(run, cfg, self.steps_done)  # the start-up summary; per step a bar or a plain line
         # One process cannot wait for another: the hang watchdog watches multi-process runs (docs/distributed.md).
-        self.watchdog = (start_watchdog(cfg.health.hang_seconds, run.processes.rank, self.run_dir)
+        self.watchdog = (start_watchdog(hang_seconds(cfg), run.processes.rank, self.run_dir)
                          if run.processes.world_size > 1 else None)
         self.last_save = time.monotonic()
         self.stopped: str | None = None   # why the run stops before cfg.steps: a callback's reason or ALARM
