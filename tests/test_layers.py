@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tether"
 # the shared layer: the top-level modules and the folders inputs/ (where inputs are read), rules/ (where rewards are
 # called; both ranked as the top-level modules they were made of) and trl_compat/
 SHARED = {"cli", "config", "presets", "checkpoint", "errors", "hf", "callbacks", "precision", "sharding", "tasks",
-          "processes", "runlog", "export", "inputs", "rules", "hub", "cli_flags", "trl_compat"}
+          "processes", "runlog", "export", "inputs", "rules", "hub", "cli_flags", "trl_compat", "watchdog"}
 # rank of each room: a module may import rooms of a lower rank, and its own room
 RANK = {"core": 0, "shared": 1, "rm": 2, "diagnostics": 2, "rollout": 3, "ppo": 4, "sft": 4, "demo": 5, "dpo": 5, "pipeline": 6, "top": 7}
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tether import watchdog
+from tether.watchdog import mark
 from tether.core.flops import FlopShape, forward_flops, generation_flops, train_flops
 
 EMBEDDING_NAMES = ("wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings", "position_embeddings")
@@ -136,14 +136,14 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, phase: str):
         self._mark, self._last, self._block = time.perf_counter(), phase, phase
-        watchdog.mark(phase)
+        mark(phase)
         yield
         self._charge(self._last)
-        watchdog.mark(f"after {phase}")
+        mark(f"after {phase}")
 
     def split(self, part: str) -> None:
         self._charge(part)
-        watchdog.mark(f"{self._block} (after {part})")
+        mark(f"{self._block} (after {part})")
 
     def _charge(self, part: str) -> None:
         now = time.perf_counter()
