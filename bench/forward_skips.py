@@ -30,21 +30,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+from machine import cpu_name
 
 WORDS = ["the", "a", "model", "policy", "value", "reward", "cat", "dog", "runs", "jumps", "over", "under", "quick", "slow", "red", "blue", "green", "small", "large", "token", "text", "story", "once", "upon", "time", "there", "was", "and", "then", "it", "said", "hello", "world", "why", "how", "what"]
 ARMS = {"before": {"packing": False, "old_logprobs": "forward", "reference": "always"},
         "packed": {"packing": None, "old_logprobs": "forward", "reference": "always"},
         "skips": {"packing": None, "old_logprobs": "auto", "reference": "auto"}}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def make_config(root: Path, policy_dir: Path, prompts: Path, n_prompts: int, arm: dict):
