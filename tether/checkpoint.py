@@ -105,6 +105,18 @@ def clean_temporary(run_dir: Path) -> None:
                     p.unlink(missing_ok=True)
 
 
+def refuse_foreign_dir(out_dir: Path, metadata_file: str, what: str) -> None:
+    """Refuse to replace a non-empty ``out_dir`` that is neither a finished run of this stage (it holds
+    ``metadata_file``) nor an unfinished one (only ``checkpoints/`` and atomic writes' leftovers): it is the
+    user's data. ``what`` names the stage's output in the error (``a tether reward model``)."""
+    from tether.errors import ConfigError
+
+    ours = (out_dir / metadata_file).is_file() or (out_dir.is_dir() and all(
+        p.name == "checkpoints" or p.name.startswith((".tmp-", ".old-")) for p in out_dir.iterdir()))
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not ours)):
+        raise ConfigError(f"--output-dir {out_dir}: exists and is not {what}; refusing to replace it")
+
+
 def atomic_dir(target: Path, write) -> Path:
     """Call ``write(tmp_dir)``, fsync it, then rename ``tmp_dir`` to ``target`` (replacing an older one)
     and fsync the parent folder so that the rename itself is durable."""

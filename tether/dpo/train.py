@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tether.callbacks import Callbacks, TrainResult
-from tether.checkpoint import atomic_dir, check_finite
+from tether.checkpoint import atomic_dir, check_finite, refuse_foreign_dir
 from tether.config import check_config, config_to_dict, save_config
 from tether.core.preference import dpo_loss
 from tether.core.stats import wilson_interval
@@ -43,9 +43,7 @@ from tether.dpo.data import (
     pair_batch,
     score_pairs,
 )
-from tether.errors import ConfigError, DataError
 from tether.hf import DTYPES
-from tether.inputs.conversations import prompt_key
 from tether.precision import Precision
 from tether.rm.resume import TrainingProgress, data_digest
 
@@ -155,34 +153,15 @@ def given_data(cfg: DPOConfig, pairs) -> DPOConfig:
 def check_output_dir(out_dir: Path) -> None:
     """Refuse to replace a non-empty folder that is not a DPO policy or an unfinished DPO run (only
     ``checkpoints/``): it is the user's data."""
-    ours = (out_dir / METADATA_FILE).is_file() or (out_dir.is_dir() and all(
-        p.name == "checkpoints" or p.name.startswith((".tmp-", ".old-")) for p in out_dir.iterdir()))
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not ours)):
-        raise ConfigError(f"--output-dir {out_dir}: exists and is not a tether dpo run; refusing to replace it")
+    refuse_foreign_dir(out_dir, METADATA_FILE, "a tether dpo run")
 
 
 def load_and_split(cfg: DPOConfig, pairs) -> tuple[list, list, dict]:
-    """Step 1: the pairs, split by prompt into train and held-out; what was read, for the metadata."""
-    from tether.inputs.pairs import load_preference_pairs, pairs_from_data, split_pairs
+    """Step 1: the pairs, split by prompt into train and held-out, as train-rm reads and splits them (the same
+    prompts held out for the same seed); what was read, for the metadata."""
+    from tether.rm.train import read_and_split
 
-    source = ", ".join(cfg.data.files) if pairs is None else "the given pairs"
-    if pairs is None:
-        pairs, stats = load_preference_pairs(cfg.data.files, skip_invalid=cfg.data.skip_invalid)
-    else:
-        pairs, stats = pairs_from_data(pairs, "pairs", skip_invalid=cfg.data.skip_invalid)
-    print(f"data: {stats.summary()}")
-    if cfg.data.max_pairs:
-        pairs = pairs[:cfg.data.max_pairs]
-    train, held_out = split_pairs(pairs, cfg.data.eval_fraction, cfg.seed)
-    if not held_out or not train:
-        raise DataError(f"{source}: {len(pairs)} usable pair(s) over {len({prompt_key(p.prompt) for p in pairs})} "
-                        f"prompt(s) are too few to split into train and held-out pairs by prompt (eval fraction "
-                        f"{cfg.data.eval_fraction}); give pairs for at least two different prompts")
-    info = {"read": stats.summary(), "pairs": len(pairs), "train": len(train), "held_out": len(held_out),
-            "held_out_prompts": len({prompt_key(p.prompt) for p in held_out}), "split": "by prompt"}
-    print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
-          f"({info['held_out_prompts']} held-out prompts, never trained on)")
-    return train, held_out, info
+    return read_and_split(cfg, pairs)
 
 
 class Scorer:

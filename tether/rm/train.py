@@ -32,7 +32,7 @@ from tether.callbacks import Callbacks
 from tether.config import check_config, config_to_dict, save_config
 from tether.core.length import fit_length_expert, length_expert_logit, length_penalty, log_length_ratio
 from tether.core.losses import bradley_terry_loss
-from tether.errors import ConfigError, DataError
+from tether.errors import DataError
 from tether.hf import DTYPES
 from tether.inputs.conversations import prompt_key
 from tether.inputs.pairs import (  # noqa: F401 - PreferencePair: this module's API before the move
@@ -120,17 +120,16 @@ def given_data(cfg: RewardTrainingConfig, pairs) -> RewardTrainingConfig:
 def check_output_dir(out_dir: Path) -> None:
     """Refuse to replace a non-empty folder that is not a tether reward model or an unfinished training run
     (only ``checkpoints/``): it is the user's data."""
+    from tether.checkpoint import refuse_foreign_dir
     from tether.rm.model import METADATA_FILE
 
-    ours = (out_dir / METADATA_FILE).is_file() or (out_dir.is_dir() and all(
-        p.name == "checkpoints" or p.name.startswith((".tmp-", ".old-")) for p in out_dir.iterdir()))
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not ours)):
-        raise ConfigError(f"--output-dir {out_dir}: exists and is not a tether reward model; refusing to replace it")
+    refuse_foreign_dir(out_dir, METADATA_FILE, "a tether reward model")
 
 
-def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
-                   ) -> tuple[list[PreferencePair], list[PreferencePair], dict]:
-    """Step 1: the pairs, split by prompt into train and held-out (or dev); what was done, for the metadata."""
+def read_and_split(cfg, pairs) -> tuple[list[PreferencePair], list[PreferencePair], dict]:
+    """The pairs of ``cfg.data.files`` (or ``pairs`` handed over from Python), the first ``data.max_pairs``, split
+    by prompt into train and held-out; what was read, for the metadata. Step 1 of train-rm and of tether dpo
+    (``cfg``: either's config; both name these fields alike)."""
     source = ", ".join(cfg.data.files) if pairs is None else "the given pairs"
     if pairs is None:
         pairs, stats = load_preference_pairs(cfg.data.files, skip_invalid=cfg.data.skip_invalid)
@@ -144,10 +143,19 @@ def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
         raise DataError(f"{source}: {len(pairs)} usable pair(s) over {len({prompt_key(p.prompt) for p in pairs})} "
                         f"prompt(s) are too few to split into train and held-out pairs by prompt (eval fraction "
                         f"{cfg.data.eval_fraction}); give pairs for at least two different prompts")
-    data_info = {"pairs": len(pairs), "train": len(train), "held_out": len(held_out), "split": "by prompt",
-                 "held_out_prompts": len({prompt_key(p.prompt) for p in held_out}), "evaluated_on": "held_out"}
+    info = {"read": stats.summary(), "pairs": len(pairs), "train": len(train), "held_out": len(held_out),
+            "held_out_prompts": len({prompt_key(p.prompt) for p in held_out}), "split": "by prompt"}
     print(f"split by prompt (seed {cfg.seed}): {len(train)} train pairs, {len(held_out)} held-out pairs "
-          f"({data_info['held_out_prompts']} held-out prompts, never trained on)")
+          f"({info['held_out_prompts']} held-out prompts, never trained on)")
+    return train, held_out, info
+
+
+def load_and_split(cfg: RewardTrainingConfig, pairs: list[PreferencePair] | None
+                   ) -> tuple[list[PreferencePair], list[PreferencePair], dict]:
+    """Step 1: the pairs, split by prompt into train and held-out (or dev); what was done, for the metadata."""
+    source = ", ".join(cfg.data.files) if pairs is None else "the given pairs"
+    train, held_out, data_info = read_and_split(cfg, pairs)
+    data_info["evaluated_on"] = "held_out"
     if cfg.data.dev_fraction:
         # The held-out pairs are set aside untouched; settings are compared on prompts carved from train.
         train, held_out = split_pairs(train, cfg.data.dev_fraction, cfg.seed)
