@@ -15,7 +15,7 @@ import torch
 from tether.config import check_fields, option
 from tether.core.preference import LOSS_TYPES
 from tether.errors import ConfigError
-from tether.sft.config import SCHEDULES
+from tether.sft.config import AdamWConfig, TextFormatConfig
 from tether.sft.config import ModelConfig as SFTModelConfig
 from tether.trl_compat.keys import accepts_trl_keys
 
@@ -28,23 +28,12 @@ class ModelConfig(SFTModelConfig):
 
 
 @dataclass
-class DataConfig:
+class DataConfig(TextFormatConfig):  # max length, chat template (and file), system prompt, prompt template: sft's
     files: list[str] = option([], "preference pairs, the files train-rm reads (JSONL, CSV, Parquet, a datasets "
                               "folder, hf:org/name[:config][:split]): prompt/chosen/rejected, HH transcripts or "
                               "TRL's conversational pairs; repeatable", flag="--data", repeat=True)
     eval_fraction: float = option(0.1, "share of the pairs held out by prompt for the held-out preference accuracy",
                                   low=0.0, low_open=True, high=0.9, flag="--eval-fraction")
-    max_length: int = option(1024, "tokens per prompt + reply: the prompt is cut from the left first, then the reply "
-                             "from the right (counted and reported)", low=2, flag="--max-length")
-    chat_template: str = option("auto", "render pairs with the tokenizer's chat template (as tether sft does) or as "
-                                "plain text (prompt, then reply + EOS)", choices=("auto", "on", "off"))
-    chat_template_file: str = option("", "a Jinja chat template set on the tokenizer before anything is rendered, "
-                                     "and saved with the trained policy (for a base model without one)",
-                                     flag="--chat-template-file")
-    system_prompt: str = option("", "system turn for the chat template ('' = the template's default), as in "
-                                "tether sft and ppo", flag="--system-prompt")
-    prompt_template: str = option("{prompt}", "what the policy is asked: '{prompt}' is replaced by the prompt, as in "
-                                  "tether sft and ppo", flag="--prompt-template")
     packing: bool = option(False, "padding-free packing: a batch's chosen and rejected sequences share rows, "
                            "attention kept within each (the same log-probs; docs/dpo.md)", flag="--packing")
     max_pairs: int = option(0, "use only the first N usable pairs (0 = all)", low=0, flag="--max-pairs")
@@ -52,18 +41,11 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(AdamWConfig):  # AdamW, its schedule and the clip: as tether sft's (the same make_optimisation)
     lr: float = option(1e-6, "AdamW learning rate (TRL's DPO default)", low=0.0, low_open=True, flag="--lr")
     epochs: int = option(1, "passes over the training pairs", low=1, flag="--epochs")
     batch_size: int = option(8, "pairs per forward pass (2 x this many sequences)", low=1, flag="--batch-size")
     grad_accumulation: int = option(1, "forward passes per optimiser step", low=1, flag="--grad-accumulation")
-    weight_decay: float = option(0.0, "AdamW weight decay", low=0.0, flag="--weight-decay")
-    adam_eps: float = option(1e-8, "AdamW epsilon", low=0.0, low_open=True)
-    warmup_ratio: float = option(0.0, "share of the steps with linear warm-up", low=0.0, high=1.0,
-                                 flag="--warmup-ratio")
-    schedule: str = option("linear", "LR schedule after warm-up (to 0 at the last step: linear, cosine)",
-                           choices=SCHEDULES, flag="--lr-scheduler")
-    max_grad_norm: float = option(1.0, "gradient-norm clip; 0 = off", low=0.0, flag="--max-grad-norm")
 
 
 @dataclass
@@ -112,10 +94,8 @@ class DPOConfig:
             raise ConfigError("--data: required (a preference pairs file; repeatable)")
         if not self.output_dir:
             raise ConfigError("--output-dir: required")
-        if "{prompt}" not in self.data.prompt_template:
-            raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
-        if self.model.export_lora == "adapter" and not self.model.lora_r:
-            raise ConfigError("--export-lora adapter: needs --lora-r > 0 (a full fine-tune has no adapter)")
+        self.data.check()
+        self.model.check()
         if self.loss.label_smoothing and self.loss.loss_type != "sigmoid":
             raise ConfigError(f"--label-smoothing: applies to --loss-type sigmoid, not {self.loss.loss_type}")
         try:

@@ -41,9 +41,38 @@ class ModelConfig:
                                    flag="--disable-dropout")
     trust_remote_code: bool = option(False, "allow model code from the model directory (off unless asked)")
 
+    def check(self) -> None:
+        """The cross-field check of the policy's section (``validate()`` of sft and dpo)."""
+        if self.export_lora == "adapter" and not self.lora_r:
+            raise ConfigError("--export-lora adapter: needs --lora-r > 0 (a full fine-tune has no adapter)")
+
 
 @dataclass
-class DataConfig:
+class TextFormatConfig:
+    """How text becomes tokens for the policy: the fields :func:`tether.sft.tokens.text_format` and the tokenizer
+    loader read, shared field for field by ``tether sft``'s and ``tether dpo``'s ``data`` (same keys, same flags)."""
+
+    max_length: int = option(1024, "tokens per sequence: longer ones lose prompt tokens from the left first, then "
+                             "reply tokens from the right (both counted and reported)", low=2, flag="--max-length")
+    chat_template: str = option("auto", "render rows with the tokenizer's chat template (loss on the assistant's "
+                                "reply only) or as plain text (prompt, then reply + EOS)",
+                                choices=("auto", "on", "off"))
+    chat_template_file: str = option("", "a Jinja chat template set on the tokenizer before anything is rendered, "
+                                     "and saved with the trained policy (for a base model without one)",
+                                     flag="--chat-template-file")
+    system_prompt: str = option("", "system turn for the chat template ('' = the template's default), as in "
+                                "tether ppo", flag="--system-prompt")
+    prompt_template: str = option("{prompt}", "what the policy is asked: '{prompt}' is replaced by the prompt (the "
+                                  "last user turn of a conversation), as in tether ppo", flag="--prompt-template")
+
+    def check(self) -> None:
+        """The cross-field check of the format (``validate()`` of sft and dpo)."""
+        if "{prompt}" not in self.prompt_template:
+            raise ConfigError(f"--prompt-template: {self.prompt_template!r} does not contain {{prompt}}")
+
+
+@dataclass
+class DataConfig(TextFormatConfig):
     files: list[str] = option([], "training rows (JSONL/CSV/Parquet/JSON, a datasets folder, "
                               "hf:org/name[:config][:split]): prompt + completion "
                               "(or response), TRL's conversational messages, GSM8K question + answer; repeatable",
@@ -52,19 +81,6 @@ class DataConfig:
                                    "--eval-fraction by prompt", flag="--eval-data", repeat=True)
     eval_fraction: float = option(0.05, "share of the rows held out by prompt when --eval-data is empty (0 = none)",
                                   low=0.0, high=0.5, flag="--eval-fraction")
-    max_length: int = option(1024, "tokens per sequence: longer ones lose prompt tokens from the left first, then "
-                             "completion tokens from the right (both counted and reported)", low=2,
-                             flag="--max-length")
-    chat_template: str = option("auto", "render rows with the tokenizer's chat template (loss on assistant turns "
-                                "only) or as plain text (prompt, then completion + EOS)",
-                                choices=("auto", "on", "off"))
-    chat_template_file: str = option("", "a Jinja chat template set on the tokenizer before anything is rendered, "
-                                     "and saved with the fine-tuned policy (for a base model without one)",
-                                     flag="--chat-template-file")
-    system_prompt: str = option("", "system turn for the chat template ('' = the template's default), as in "
-                                "tether ppo", flag="--system-prompt")
-    prompt_template: str = option("{prompt}", "what the policy is asked: '{prompt}' is replaced by the prompt (the "
-                                  "last user turn of a conversation), as in tether ppo", flag="--prompt-template")
     packing: bool = option(False, "padding-free packing: a micro-batch's sequences share rows, positions restarting "
                            "per sequence, attention kept within each (the same loss; docs/sft.md)", flag="--packing")
     group_by_length: bool = option(False, "micro-batches of sequences of similar length (less padding; which rows "
@@ -74,16 +90,11 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class AdamWConfig:
+    """AdamW and its LR schedule: the fields :func:`tether.sft.setup.make_optimisation` and the clip read, shared
+    field for field by ``tether sft``'s and ``tether dpo``'s ``optim`` (same keys, same flags)."""
+
     lr: float = option(2e-5, "AdamW learning rate", low=0.0, low_open=True, flag="--lr")
-    epochs: int = option(1, "passes over the training rows (when --steps is 0)", low=1, flag="--epochs")
-    max_steps: int = option(0, "optimiser steps of the run, epochs continuing as needed; 0 = --epochs passes",
-                            low=0, flag="--steps", old_flags=("--max-steps",))
-    batch_size: int = option(8, "sequences per micro-batch (one forward pass), per process", low=1,
-                             flag="--batch-size")
-    grad_accumulation: int = option(1, "micro-batches per optimiser step, per process", low=1,
-                                    flag="--grad-accumulation")
-    drop_last: bool = option(False, "leave out each epoch's last micro-batch when it is short")
     weight_decay: float = option(0.0, "AdamW weight decay (every trainable parameter)", low=0.0,
                                  flag="--weight-decay")
     adam_eps: float = option(1e-8, "AdamW epsilon", low=0.0, low_open=True)
@@ -92,6 +103,18 @@ class OptimConfig:
     schedule: str = option("linear", "LR schedule after warm-up (to 0 at the last step: linear, cosine)",
                            choices=SCHEDULES, flag="--lr-scheduler", old_flags=("--lr-schedule",))
     max_grad_norm: float = option(1.0, "gradient-norm clip; 0 = off", low=0.0, flag="--max-grad-norm")
+
+
+@dataclass
+class OptimConfig(AdamWConfig):
+    epochs: int = option(1, "passes over the training rows (when --steps is 0)", low=1, flag="--epochs")
+    max_steps: int = option(0, "optimiser steps of the run, epochs continuing as needed; 0 = --epochs passes",
+                            low=0, flag="--steps", old_flags=("--max-steps",))
+    batch_size: int = option(8, "sequences per micro-batch (one forward pass), per process", low=1,
+                             flag="--batch-size")
+    grad_accumulation: int = option(1, "micro-batches per optimiser step, per process", low=1,
+                                    flag="--grad-accumulation")
+    drop_last: bool = option(False, "leave out each epoch's last micro-batch when it is short")
     max_skipped_steps: int = option(3, "consecutive steps with a non-finite loss or gradient (update skipped) that "
                                     "stop the run", low=1, flag="--max-skipped-steps",
                                     old_flags=("--optim-max-skipped-steps",))
@@ -150,9 +173,7 @@ class SFTConfig:
             raise ConfigError("--data: required (a file of training rows; repeatable)")
         if not self.output_dir:
             raise ConfigError("--output-dir: required")
-        if "{prompt}" not in self.data.prompt_template:
-            raise ConfigError(f"--prompt-template: {self.data.prompt_template!r} does not contain {{prompt}}")
-        if self.model.export_lora == "adapter" and not self.model.lora_r:
-            raise ConfigError("--export-lora adapter: needs --lora-r > 0 (a full fine-tune has no adapter)")
+        self.data.check()
+        self.model.check()
         if self.data.packing and self.data.group_by_length:
             raise ConfigError("--packing with --group-by-length: choose one (packing leaves no padding to group away)")
