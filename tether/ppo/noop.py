@@ -68,8 +68,8 @@ class WeightProbe:
 
 @dataclass
 class WeightVersions:
-    """The trainer's weight version (steps whose updates changed the policy, since this process started; a resumed
-    run starts again at 0, the engine with it) and the version the rollout engine took at its last weight sync."""
+    """The trainer's weight version (steps whose updates changed the policy; checkpointed, so a resumed run counts
+    on) and the version the rollout engine took at its last weight sync."""
 
     trainer: int = 0
     engine: int = 0

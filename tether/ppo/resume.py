@@ -39,6 +39,7 @@ def trainer_state(run, step: int, rng_per_rank: list[dict], optimizers: tuple[di
             "prompts": d.prompts.state_dict(), "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
             "grad_scaler": o.scaler.state_dict(),  # fp16's loss scale and its growth count; {} otherwise
             "reference_answers": d.reference_answers, "health": health or health_book([], 0),
+            "weight_versions": {"trainer": run.versions.trainer, "engine": run.versions.engine},
             **({"in_flight": in_flight} if in_flight is not None else {})}
 
 
@@ -109,6 +110,8 @@ def restore(run, run_dir: Path) -> tuple[int, dict]:
     d.running_scores.load_state_dict(state["running_scores"])
     d.prompts.load_state_dict(state["prompts"])
     d.reference_answers = state.get("reference_answers")
+    versions = state.get("weight_versions", {})  # the engine is synced again at its first step: the same count
+    run.versions.trainer, run.versions.engine = int(versions.get("trainer", 0)), int(versions.get("engine", 0))
     restore_in_flight(run, state.get("in_flight"))
     restore_rng(run, state)
     return int(state["step"]), state.get("health") or {}
