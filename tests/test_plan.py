@@ -364,6 +364,34 @@ def test_activation_estimate_by_hand():
     assert eager["train"]["critic"]["activations"] == L * 2 * (layer + 5 * 32 * B * S * S) + B * S * 4
 
 
+def test_train_activations_count_the_micro_batch_and_one_logits_chunk():
+    """tether ppo trains on micro-batches (batch / --mini-batches / --grad-accumulation) and takes the head's
+    log-probs 1024 tokens at a time: the train row counts those, the rollout row the whole generation batch."""
+    shape = preset_shape("7b")
+    B, b_train, S, d, L, V = 32, 8, 1024, 4096, 32, 32000
+    p = plan(shape, PlanConfig(batch_size=B, train_batch_size=b_train, logits_chunk=1024))["phases"]
+    assert p["train"]["actor"]["activations"] == L * 34 * b_train * S * d + 1024 * V * (2 + 4)
+    assert p["train"]["critic"]["activations"] == L * 34 * b_train * S * d + b_train * S * 4
+    assert p["rollout"]["actor"]["activations"] == 34 * B * S * d + B * S * V * (2 + 4)
+    # a chunk larger than the micro-batch's tokens holds only those
+    tiny = plan(shape, PlanConfig(batch_size=1, train_batch_size=1, prompt_length=100, response_length=100,
+                                  logits_chunk=1024))["phases"]
+    assert tiny["train"]["actor"]["activations"] == L * 34 * 200 * d + 200 * V * (2 + 4)
+    half = {r["lever"]: r for r in levers(shape, PlanConfig(batch_size=B, train_batch_size=b_train))}
+    quarter = plan(shape, PlanConfig(batch_size=B // 2, train_batch_size=b_train // 2))
+    assert half["half the batch per GPU"]["peak"] == quarter["peak"]
+
+
+def test_run_plan_config_is_the_run_s_micro_batch(tmp_path):
+    from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+    from tether.ppo.dryrun import run_plan_config
+
+    cfg = tiny_config(tmp_path, make_policy_dir(tmp_path), make_prompts_file(tmp_path), batch_size=8,
+                      samples_per_prompt=4, ppo__mini_batches=2, ppo__grad_accumulation=2)
+    plan_cfg = run_plan_config(cfg, 25.0)
+    assert (plan_cfg.batch_size, plan_cfg.train_batch_size, plan_cfg.logits_chunk) == (32, 8, 1024)
+
 def test_levers():
     shape = preset_shape("7b")
     cfg = PlanConfig()

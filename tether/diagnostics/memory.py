@@ -31,7 +31,13 @@ class PlanConfig:
     model: str = option("7b", "preset (0.5b, 7b, 8b, 13b, 70b) or a Hugging Face config.json (or its folder)")
     dtype: str = option("bf16", "weights/compute dtype; bf16/fp16 train with fp32 master weights",
                         choices=tuple(DTYPE_BYTES))
-    batch_size: int = option(8, "sequences per GPU in one forward (generation batch and train micro-batch)", low=1)
+    batch_size: int = option(8, "sequences per GPU in one forward (generation batch, and train micro-batch unless "
+                             "--train-batch-size)", low=1)
+    train_batch_size: int | None = option(None, "sequences per GPU in one training forward (the micro-batch: "
+                                          "tether ppo's batch / --mini-batches / --grad-accumulation); "
+                                          "default: --batch-size", low=1)
+    logits_chunk: int = option(0, "tokens whose output-head logits exist at once in a training forward (tether ppo "
+                                  "computes its log-probs 1024 at a time); 0 = the whole (B, S, V)", low=0)
     prompt_length: int = option(512, "prompt tokens per sequence", low=1)
     response_length: int = option(512, "generated tokens per sequence", low=1, flag="--max-new-tokens",
                                   old_flags=("--response-length",))
@@ -72,11 +78,20 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, nbytes: int,
 
 
 def train_activation_bytes(shape: ModelShape, cfg: PlanConfig, head: str) -> int:
-    """Activations kept for backward by one trained model; ``head`` is ``lm`` or ``value``."""
-    b, B, S = DTYPE_BYTES[cfg.dtype], cfg.batch_size, cfg.prompt_length + cfg.response_length
+    """Activations kept for backward by one trained model, over one micro-batch (``train_batch_size``); ``head`` is
+    ``lm`` or ``value``. The LM head's logits, (tokens, V) in the dtype + their fp32 log-softmax, count
+    min(B·S, ``logits_chunk``) tokens when the log-probs are taken a chunk at a time (checkpointed: one chunk's logits
+    live at once), else all B·S."""
+    b, B, S = DTYPE_BYTES[cfg.dtype], train_batch(cfg), cfg.prompt_length + cfg.response_length
     layer = layer_activation_bytes(shape, B, S, b, cfg.attention)
     body = (shape.layers * B * S * shape.hidden * b + layer) if cfg.gradient_checkpointing else shape.layers * layer
-    return body + (B * S * shape.vocab * (b + 4) if head == "lm" else B * S * 4)
+    logit_tokens = min(B * S, cfg.logits_chunk) if cfg.logits_chunk else B * S
+    return body + (logit_tokens * shape.vocab * (b + 4) if head == "lm" else B * S * 4)
+
+
+def train_batch(cfg: PlanConfig) -> int:
+    """Sequences in one training forward: ``train_batch_size``, else ``batch_size``."""
+    return cfg.train_batch_size or cfg.batch_size
 
 
 def value_head_params(d: int, kind: str) -> int:

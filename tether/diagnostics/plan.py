@@ -57,6 +57,7 @@ from tether.diagnostics.memory import (  # the memory model; its names importabl
     models_of,
     sharded_bytes,
     train_activation_bytes,
+    train_batch,
 )
 from tether.diagnostics.shapes import ModelShape, resolve_shape
 
@@ -93,7 +94,7 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
                 row["activations"] = train_activation_bytes(shape, cfg, "lm")
             elif role == "critic":
                 # a head on the actor's detached hidden states keeps only its (B, S) values
-                row["activations"] = (B * S * 4 if cfg.critic == "head"
+                row["activations"] = (train_batch(cfg) * S * 4 if cfg.critic == "head"
                                       else train_activation_bytes(shape, cfg, "value"))
             row["total"] = sum(row.values())
             phases[phase][role] = row
@@ -146,8 +147,10 @@ def levers(shape: ModelShape, cfg: PlanConfig, peak: int | None = None) -> list[
         options.append(("no critic (a critic-free estimator, e.g. tether ppo --advantage grpo)", "--critic none",
                         {"critic": "none"}))
     if cfg.batch_size > 1:
-        options.append(("half the batch per GPU", f"--batch-size {cfg.batch_size // 2}",
-                        {"batch_size": cfg.batch_size // 2}))
+        half = {"batch_size": cfg.batch_size // 2}
+        if cfg.train_batch_size:  # tether ppo's micro-batch is a fixed share of its batch
+            half["train_batch_size"] = max(1, cfg.train_batch_size // 2)
+        options.append(("half the batch per GPU", f"--batch-size {cfg.batch_size // 2}", half))
     out = []
     for name, flags, change in options:
         p = plan(shape, dataclasses.replace(cfg, **change))
@@ -173,12 +176,13 @@ def format_plan(shape: ModelShape, cfg: PlanConfig, result: dict, lever_rows: li
               else "critic = head on the actor") + f", {cfg.value_head} value head"
     critic = "no critic (critic-free estimator)" if cfg.critic == "none" else critic
     count = f"{result['params'] / 1e9:.2f}e9 params"
+    micro = f" (train micro-batch {cfg.train_batch_size})" if cfg.train_batch_size else ""
     if shape.nominal_params is not None:
         count += f" (nominal; the shapes give {shape.lm_params / 1e9:.2f}e9 — pass a config.json for exact)"
     lines = [f"model {shape.name}: {count}",
              f"{cfg.dtype}, actor {lora(cfg.lora_r)}, {critic}, "
              f"ZeRO-{cfg.zero} over {cfg.gpus} GPU(s) of {cfg.gpu_memory:g} GB, "
-             f"batch {cfg.batch_size}/GPU, seq {cfg.prompt_length}+{cfg.response_length}={S}, "
+             f"batch {cfg.batch_size}/GPU{micro}, seq {cfg.prompt_length}+{cfg.response_length}={S}, "
              f"checkpointing {'on' if cfg.gradient_checkpointing else 'off'}, attention {cfg.attention}",
              "memory per GPU in GB (1 GB = 1e9 bytes); activations are an estimate", ""]
     cols = ("weights", "grads", "adam", "master", "activations", "kv_cache", "total")

@@ -17,10 +17,12 @@ from tether.errors import ConfigError
 from tether.trl_compat.keys import accepts_trl_keys
 from tether.ppo.checks import (check_defaults_apply, check_policy_loss, eval_every,
                                run_warnings)
-
-
 from tether.ppo.config_rollout import (CorrectionConfig, DataConfig, GenerationConfig, ModelConfig,  # noqa: F401
                                        RewardConfig)
+
+# tokens whose output-head logits one training forward holds at once (tether.ppo.forward.head_logprobs); the
+# memory plan counts them
+LOGIT_CHUNK_TOKENS = 1024
 
 
 @dataclass

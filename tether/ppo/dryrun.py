@@ -15,6 +15,7 @@ from tether.diagnostics.engine_plan import engine_plan, format_engine_plan
 from tether.diagnostics.plan import PlanConfig, format_plan, levers, plan
 from tether.diagnostics.shapes import config_shape
 from tether.ppo.checks import held_out_fraction
+from tether.ppo.config import LOGIT_CHUNK_TOKENS
 from tether.presets import resolve_model_config
 
 
@@ -98,7 +99,8 @@ def run_plan_config(cfg, gpu_memory_gb: float) -> PlanConfig:
     from tether.sharding import fsdp_settings
 
     return PlanConfig(model=str(resolve_model_config(cfg.model.policy, what="policy")), dtype=cfg.model.dtype,
-                      batch_size=cfg.rows_per_step, prompt_length=cfg.data.max_prompt_length,
+                      batch_size=cfg.rows_per_step, train_batch_size=cfg.minibatch_size // cfg.ppo.grad_accumulation,
+                      logits_chunk=LOGIT_CHUNK_TOKENS, prompt_length=cfg.data.max_prompt_length,
                       response_length=cfg.generation.max_new_tokens, lora_r=cfg.model.lora_r, critic_lora_r=0,
                       lora_targets="all" if cfg.model.lora_target_modules == "all-linear" else "attn",
                       zero=3 if fsdp_settings() else 0,

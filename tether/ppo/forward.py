@@ -18,6 +18,7 @@ import torch
 
 from tether.core.stats import entropy_from_logits, logprobs_from_logits
 from tether.hf import transformers_model
+from tether.ppo.config import LOGIT_CHUNK_TOKENS
 from tether.ppo.models import ValueHead
 from tether.rollout.records import Rollout
 
@@ -195,7 +196,7 @@ def pack_rollout(batch: Rollout):
 
 
 @torch.no_grad()
-def checked_forward_options(model, packing: bool, chunk_tokens: int = 1024) -> ForwardOptions:
+def checked_forward_options(model, packing: bool, chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> ForwardOptions:
     """The :class:`ForwardOptions` this model supports, checked once on a made-up batch (three rows, two sharing a
     prompt): the output-embedding path is used when its log-probs equal the model's own logits' (a model that
     post-processes logits is left on the logits path), and packing, when asked, only when the packed forward
