@@ -153,6 +153,7 @@ def test_a_kill_between_stages_resumes_at_the_next_stage(runs):
     out, printed, _ = runs
     (first, after_first, done_first), (second, after_second, done_second), (third, after_third, _) = printed
     assert "expected time on this machine" in first and "pairs_r0" in first  # the plan, priced, before it starts
+    assert "re-priced" in first  # each priced stage, once done, re-prices the rest from what it took
     assert done_first == sorted(EARLY)  # stopped right after rm_r0: no PPO arm complete
     assert done_second == sorted(EARLY)  # killed inside the first PPO arm: nothing more complete
     for text in (second, third):
@@ -253,3 +254,33 @@ def test_a_rerun_with_other_settings_is_named(tmp_path):
     assert RLHFPipeline({**cfg, "estimate": False}).changed_settings() == ""  # not a setting of any stage
     again = RLHFPipeline({**cfg, "ppo": {"steps": 20}})
     assert again.changed_settings() == "ppo.steps 10 -> 20"
+
+
+def test_the_rest_is_re_priced_from_the_done_stages_of_each_kind():
+    """By hand: pairs took 2x their estimate, so the second pairs stage is priced 2x; no PPO arm has run, so the PPO
+    arms keep their estimate; a stage without an estimate adds nothing."""
+    from types import SimpleNamespace as Stage
+
+    from tether.pipeline.estimate import repriced_remaining
+
+    plan = [Stage(name="task", kind="task"), Stage(name="pairs_r0", kind="pairs"), Stage(name="rm_r0", kind="rm"),
+            Stage(name="ppo_a", kind="ppo"), Stage(name="ppo_b", kind="ppo"), Stage(name="pairs_r1", kind="pairs"),
+            Stage(name="sft", kind="sft")]
+    estimated = {"task": 0.0, "pairs_r0": 100.0, "rm_r0": 50.0, "ppo_a": 30.0, "ppo_b": 30.0, "pairs_r1": 100.0,
+                 "sft": None}
+    assert repriced_remaining(plan, estimated, {"pairs_r0": 200.0}) == 50.0 + 30.0 + 30.0 + 2 * 100.0
+    assert repriced_remaining(plan, estimated, {"pairs_r0": 200.0, "rm_r0": 25.0, "ppo_a": 3.0}) == 3.0 + 200.0
+    assert repriced_remaining(plan, {k: None for k in estimated}, {}) is None
+
+
+def test_an_rg_task_is_priced_on_the_problems_its_split_holds():
+    """Two one-digit terms hold few distinct problems: the estimate counts the split's training rows, not the 2000
+    asked for (it priced recipe 5's pairs at 20x)."""
+    from tether.pipeline.config import RLHFConfig
+    from tether.pipeline.estimate import training_problems
+    from tether.tasks import split_rows
+
+    cfg = RLHFConfig()
+    cfg.task.prompts, cfg.task.task_train = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1", 2000
+    n = training_problems(cfg)
+    assert n == len(split_rows(cfg.task.prompts, 2000, cfg.ppo.eval_n, cfg.task.task_seed)[0]) < 200

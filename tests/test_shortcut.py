@@ -307,3 +307,21 @@ def test_a_gold_verdict_keeps_precedence_and_the_dropped_task_becomes_a_note():
     d = Diagnosis(False, "KL explosion", "objective/kl", "kl_mean", 40, 50, evidence={"measure": "value", "chain": []})
     add_verdict(d, trace, [])
     assert d.failure_mode == TASK_DROPPED and d.evidence["chain"][0]["failure_mode"] == "KL explosion"
+
+
+def test_a_run_writes_every_held_out_answer_for_the_per_problem_checks(tmp_path):
+    """By default every evaluated held-out answer goes to samples/step_K.jsonl (the shortcut detector judges per
+    problem: with the old default of 16 a run of 48 held-out problems was judged on a third of them)."""
+    from tiny import make_policy_dir, make_prompts_file, tiny_config
+
+    from tether.ppo.train import train
+
+    cfg = tiny_config(tmp_path, make_policy_dir(tmp_path), make_prompts_file(tmp_path, n=40), steps=1,
+                      eval__every=1, eval__n=20, eval__at_start=True, data__eval_fraction=0.5)
+    assert cfg.eval.samples is None
+    run_dir = train(cfg)
+    for step in (0, 1):
+        rows = (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+        assert len(rows) == 20
+    trace = judge_run(run_dir)
+    assert [(f.n, f.eval_n) for f in trace] == [(20, 20)]

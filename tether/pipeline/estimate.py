@@ -40,13 +40,22 @@ def calibrate(cfg, prompt: str) -> tuple[float, float, int]:
         t_gen = time.perf_counter() - t0
         t0 = time.perf_counter()
         model.train()
-        model(input_ids=seq, labels=seq).loss.backward()  # (rows, T): one update's forward + backward
+        embeddings = None
+        if cfg.model.lora_r:  # a LoRA update computes the activations' gradients, not the frozen weights' ones
+            model.requires_grad_(False)
+            embeddings = model.get_input_embeddings()(seq).detach().requires_grad_(True)
+        inputs = {"inputs_embeds": embeddings} if embeddings is not None else {"input_ids": seq}
+        model(**inputs, labels=seq).loss.backward()  # (rows, T): one update's forward + backward
     return t_gen, time.perf_counter() - t0, rows
 
 
 def training_problems(cfg) -> int:
+    """The training problems the task stage will write: an rg: task's split holds fewer than ``--task-train`` when
+    its problem space is small (two one-digit terms: 100 of the 2000 asked for)."""
     if cfg.task.prompts.startswith("rg:"):
-        return cfg.task.task_train
+        from tether.tasks import split_rows
+
+        return len(split_rows(cfg.task.prompts, cfg.task.task_train, cfg.ppo.eval_n, cfg.task.task_seed)[0])
     with open(cfg.task.prompts, encoding="utf-8", errors="replace") as f:
         return sum(1 for line in f if line.strip())
 
@@ -77,20 +86,27 @@ def fmt(seconds: float | None) -> str:
     return f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min"
 
 
-def estimate_lines(cfg, plan: list, done: set[str]) -> list[str]:
-    """One line per stage (what it does, its expected time or 'complete, skipped'), then the total and how it was
-    estimated."""
+def estimate_stages(cfg, plan: list, done: set[str]) -> tuple[dict, tuple | None]:
+    """``({stage name: expected seconds or None}, units)`` for the stages not done; units None (and no figures)
+    without ``--estimate``."""
     units = None
     if cfg.estimate and any(st.name not in done for st in plan):
         from tether.pipeline.stages import task_prompt
 
         units = calibrate(cfg, task_prompt(cfg))
+    return {st.name: stage_seconds(cfg, st.kind, *units) if units else None
+            for st in plan if st.name not in done}, units
+
+
+def estimate_lines(cfg, plan: list, done: set[str], estimated: dict, units: tuple | None) -> list[str]:
+    """One line per stage (what it does, its expected time or 'complete, skipped'), then the total and how it was
+    estimated."""
     lines, total, unknown = [], 0.0, 0
     for st in plan:
         if st.name in done:
             lines.append(f"{st.name:<22} complete, skipped")
             continue
-        seconds = stage_seconds(cfg, st.kind, *units) if units else None
+        seconds = estimated[st.name]
         total += seconds or 0.0
         unknown += seconds is None
         lines.append(f"{st.name:<22} {fmt(seconds) if units else '':<14} {st.what}")
@@ -101,3 +117,20 @@ def estimate_lines(cfg, plan: list, done: set[str]) -> list[str]:
                      f"{rows} replies {t_gen:.2f} s, one forward + backward {t_upd:.2f} s; stages priced in those "
                      "units, docs/commands.md: a rough guide)")
     return lines
+
+
+def repriced_remaining(plan: list, estimated: dict, actual: dict) -> float | None:
+    """Seconds the stages not yet run should take, each kind's estimate scaled by what that kind's completed stages
+    took against their estimates (the calibration's generate is transformers' on one batch, and a stage's real
+    batches, engine and reply lengths differ: the first stage of a kind prices the rest of it). None without
+    estimates."""
+    kinds = {st.name: st.kind for st in plan}
+    ratio = {}
+    for name, seconds in actual.items():
+        if estimated.get(name):
+            ratio.setdefault(kinds[name], []).append(seconds / estimated[name])
+    left = [st for st in plan if st.name not in actual and estimated.get(st.name) is not None]
+    if not any(v is not None for v in estimated.values()):
+        return None
+    return sum(estimated[st.name] * (sum(ratio[st.kind]) / len(ratio[st.kind]) if st.kind in ratio else 1.0)
+               for st in left)

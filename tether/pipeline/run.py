@@ -100,7 +100,7 @@ class RLHFPipeline:
 
     # -- running -------------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        from tether.pipeline.estimate import estimate_lines
+        from tether.pipeline.estimate import estimate_lines, estimate_stages
         from tether.pipeline.results import collect, write_results
         from tether.pipeline.stages import check_task
 
@@ -119,7 +119,9 @@ class RLHFPipeline:
         plan, started = self.plan(), time.perf_counter()
         done = {st.name for st in plan if (self.out / st.name / MARKER).is_file()}
         print(f"tether rlhf -> {self.out}: {len(plan)} stages ({len(done)} complete)", flush=True)
-        for line in estimate_lines(self.cfg, plan, done):
+        self.estimated, units = estimate_stages(self.cfg, plan, done)
+        self.plan_run, self.actual = plan, {}
+        for line in estimate_lines(self.cfg, plan, done, self.estimated, units):
             print("  " + line, flush=True)
         records = {}
         i = 0
@@ -173,10 +175,22 @@ class RLHFPipeline:
         record = {"stage": name, "seconds": round(seconds, 2), **summary}
         (self.out / name).mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.out / name / MARKER, json.dumps(record, indent=1) + "\n")
-        print(f"   [{name}: {seconds:.1f} s]", flush=True)
+        print(f"   [{name}: {seconds:.1f} s{self.remaining_note(name, seconds)}]", flush=True)
         if self.after_stage is not None:
             self.after_stage(name)
         return record
+
+    def remaining_note(self, name: str, seconds: float) -> str:
+        """'; estimated …; the rest ~…' once a stage with an estimate is done: the later stages re-priced by what the
+        done ones of their kind took (tether.pipeline.estimate.repriced_remaining)."""
+        from tether.pipeline.estimate import fmt, repriced_remaining
+
+        estimated = getattr(self, "estimated", {})
+        if not estimated.get(name):
+            return ""
+        self.actual[name] = seconds
+        rest = repriced_remaining(self.plan_run, estimated, self.actual)
+        return f"; estimated {fmt(estimated[name])}" + (f"; the rest ~{fmt(rest)[1:]}, re-priced" if rest else "")
 
     def parallel_group(self, plan: list[Stage], i: int, done: set[str]) -> list[Stage]:
         """The PPO arms from ``plan[i]`` on that run side by side (``--parallel-arms``, cores permitting), else

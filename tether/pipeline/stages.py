@@ -186,7 +186,7 @@ def ppo_config(cfg: RLHFConfig, task_dir: Path, policy: str, reward_dir: str, be
     c.model.policy, c.reward.sources, c.reward.shuffle, c.kl.coef = policy, [reward_dir], shuffle, beta
     c.data.prompts, c.data.eval_prompts = str(task_dir / TRAIN), str(task_dir / HELD_OUT)
     c.reward.gold, c.eval.every, c.eval.n = gold_spec(cfg), p.eval_every, p.eval_n
-    c.eval.samples, c.generation.engine = max(c.eval.samples, p.eval_n), cfg.engine
+    c.eval.samples, c.generation.engine = None, cfg.engine  # every held-out answer: the report pairs them
     return check_config(c)
 
 

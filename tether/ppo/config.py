@@ -187,7 +187,9 @@ class EvalConfig:
     greedy: bool = option(True, "greedy decoding for evaluation (else sample at --temperature)")
     at_start: bool = option(True, "also evaluate before the first step: a step-0 row in metrics.jsonl, the "
                             "baseline the trend starts from", flag="--eval-at-start")
-    samples: int = option(16, "responses written to samples/step_K.jsonl", low=0)
+    samples: int | None = option(None, "held-out responses written to samples/step_K.jsonl; default: every one "
+                                 "evaluated (--eval-n), which the doctor's per-problem checks read; 0 = none",
+                                 low=0)
     kl_n: int = option(32, "held-out responses whose KL to the reference is computed (eval/kl_sequence, each sample's "
                        "kl): the first N, the same problems at every evaluation, the written samples among them; "
                        "a policy and a reference forward over each; 0 = all", low=0, flag="--eval-kl-n")

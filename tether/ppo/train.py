@@ -78,7 +78,7 @@ def evaluate_and_log(run, cfg, log: RunLog, step: int) -> dict:
     metrics, samples = evaluate(run, cfg, step)
     if not run.processes.is_main:
         return {}
-    log.samples(step, samples, cfg.eval.samples)
+    log.samples(step, samples, len(samples) if cfg.eval.samples is None else cfg.eval.samples)
     return metrics
 
 
