@@ -672,6 +672,24 @@ def test_groups_flat_because_solved_are_the_training_prompts_learned_when_held_o
     assert d.prescriptions[0]["action"].startswith("no sample of most groups is rewarded")
 
 
+def test_groups_flat_because_unsolved_early_then_healthy_are_vouched_for_by_a_held_out_gain():
+    """The #51 measurement's gated arm: at first most groups had no rewarded sample (87% flat at step 2, a 4% task),
+    the band was healthy again well before the last evaluation, and held-out gold rose 4% -> 48% (p = 2.9e-06): the
+    task came within reach, a note, not the verdict. Still flat at the end (the test above): the alarm stands."""
+    rows = short_answer_rows(20, 0)
+    for r in rows:
+        flat = 0.9 if 5 <= r["step"] < 20 else 0.2
+        r.update({"group/no_spread_fraction": flat, "group/solved_fraction": 0.05 * flat / 0.9,
+                  "group/unsolved_fraction": 0.85 * flat / 0.9})
+    d = diagnose(rows, run_config={"steps": N})
+    assert d.healthy, d.summary()
+    note = next(n for n in d.notes if n.startswith("no signal in the groups not counted"))
+    assert "unsolved ones at first" in note and "--filter-groups" in note and "p = 9.5e-07" in note
+    without_gain = short_answer_rows(6, 1)
+    for r, planted in zip(without_gain, rows):
+        r.update({k: planted[k] for k in planted if k.startswith("group/")})
+    assert diagnose(without_gain, run_config={"steps": N}).failure_mode == "no signal in the groups"
+
 def test_an_alarm_after_the_last_evaluation_is_not_vouched_for():
     rows = [r for r in short_answer_rows(20, 0) if r["step"] <= 50]  # last evaluation at step 50 ...
     rows += [dict(r, **{"policy/ratio_std": 0.04}) for r in short_answer_rows(20, 0)[50:]]

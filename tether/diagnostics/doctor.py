@@ -35,8 +35,8 @@ from tether.diagnostics.headline import (FLAT_KEY, FLAT_REWARD, collapsed_answer
                                          is_warning, level)
 from tether.diagnostics.health import (BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, TASK_DROPPED, Alert,
                                        HealthConfig, HealthMonitor)
-from tether.diagnostics.heldout import (LEARNED, REWARD_WITHOUT_GOLD, VOUCHABLE, covered, gold_fell, gold_summary,
-                                        gold_vouches, reward_without_gold)
+from tether.diagnostics.heldout import (LEARNED, REWARD_WITHOUT_GOLD, VOUCHABLE, WITHIN_REACH, covered, gold_fell,
+                                        gold_summary, gold_vouches, reward_without_gold)
 from tether.diagnostics.phases import (PHASES, SCORE_SPLIT, config_value, format_phases, phase_seconds,  # noqa: F401
                                        rollout_layout)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
@@ -243,11 +243,18 @@ def _vouch(alerts: list[Alert], monitor: HealthMonitor, rows: list[dict]) -> tup
     if vouch is None:  # the outcome measured on held-out problems contradicts what these bands predict
         return alerts, []
     step, why = vouch
+    kinds = {a.band.name: flat_groups_kind(rows, a.onset_step) for a in alerts if a.band.name == "no_spread"}
+
+    def came_within_reach(a: Alert) -> bool:  # unsolved groups at first, and the band healthy again by the evaluation
+        points = [p for p in monitor.trace(a.band.name) if p.step <= step]
+        return kinds[a.band.name] == "unsolved" and bool(points) and points[-1].state == "ok"
+
     overruled = [a for a in alerts if covered(a, monitor, step) and (a.band.name in VOUCHABLE or (
-        a.band.name == "no_spread" and flat_groups_kind(rows, a.onset_step) == "solved"))]
+        a.band.name == "no_spread" and (kinds[a.band.name] == "solved" or came_within_reach(a))))]
     return [a for a in alerts if a not in overruled], [
         f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): "
-        f"{LEARNED if a.band.name == 'no_spread' else ''}{why}" for a in overruled]
+        f"{(LEARNED if kinds[a.band.name] == 'solved' else WITHIN_REACH) if a.band.name == 'no_spread' else ''}{why}"
+        for a in overruled]
 
 
 def _flat_verdict(flat: dict, rows: list[dict], failures: list[Alert], run_config: dict, common: dict) -> Diagnosis:
