@@ -325,3 +325,26 @@ def test_a_run_writes_every_held_out_answer_for_the_per_problem_checks(tmp_path)
         assert len(rows) == 20
     trace = judge_run(run_dir)
     assert [(f.n, f.eval_n) for f in trace] == [(20, 20)]
+
+
+def test_the_topic_is_the_prompt_s_own_words_in_any_form():
+    """From the #51 measurement: a first answer that never named the topic left no topic to judge by, and then an
+    answer about "gardening" to a note about "gardeners" read as off topic. The topic also holds the words few of the
+    evaluation's prompts share (not the instruction every prompt carries), matched in any form."""
+    from tether.diagnostics.shortcut import rare_words
+
+    prompts = [prompt_of(i)[0] for i in range(len(TOPICS) * 3)]
+    rare = rare_words(prompts)
+    assert rare[0] == {"winter"} and all("response" not in r and "title" not in r for r in rare)
+    assert rare_words(prompts[:9]) == [frozenset()] * 9  # too few prompts to tell the topic from the instruction
+    spring = "Write a short letter about spring. Give it a title wrapped in double angular brackets."
+    unrelated_reference = "Dear friend, I hope this letter finds you well and happy in every way you could want."
+    title_only = "<<spring: a refreshing spring of love>>"
+    assert "off topic" in task_signals(spring, "<<my title>> Hello! How can I assist you today?", unrelated_reference,
+                                       frozenset({"spring"}))
+    assert "off topic" not in task_signals(spring, title_only, unrelated_reference, frozenset({"spring"}))
+    gardeners = "Write a short note about gardeners. At the end of your response, add a postscript starting with P.S."
+    reference = "Gardeners are wonderful people who work with plants every single day of the year, rain or shine."
+    assert task_signals(gardeners, "In the realm of gardening, love and care nurture life.\nP.S. Water daily.",
+                        reference) == []
+    assert "off topic" in task_signals(gardeners, "P.S. I hope this message finds you well.", reference)

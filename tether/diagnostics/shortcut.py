@@ -11,8 +11,9 @@ reference policy's, with ``--eval-at-start``) so that a property the task itself
 
 - ``echo``: ≥ 80% of the answer's content words are the prompt's own (the instruction or its phrase echoed back);
 - ``repeated``: ≥ half of its lines/sentences repeat an earlier one (a title repeated in place of the content);
-- ``off topic``: it shares none of the prompt's content words that the first answer took up, and states no number
-  the prompt lacks (an arithmetic result is content of its own);
+- ``off topic``: it shares none of the prompt's topic words — its content words that the first answer took up, or
+  that few of the evaluation's prompts hold (:func:`rare_words`) — in any form (:func:`_same_word`), and states no
+  number the prompt lacks (an arithmetic result is content of its own);
 - ``far shorter``: under a quarter of the first answer's words (that one ≥ 8 words) with fewer than three content
   words of its own, none a number.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,25 +45,53 @@ KEY = "eval/task_dropped"  # the doctor's name for the measure (computed from sa
 TOLERATED = 0.1  # r₀: share of the gains the signals may flag by chance
 ECHO, REPEATED, SHORTER, MIN_REFERENCE_WORDS = 0.8, 0.5, 0.25, 8
 SIGNALS = ("echo", "repeated", "off topic", "far shorter")
+RARE, MIN_PROMPTS = 0.1, 10  # a topic word: in at most a tenth of the evaluation's prompts (of ten or more)
 
 
-def task_signals(prompt: str, answer: str, reference: str) -> list[str]:
+def task_signals(prompt: str, answer: str, reference: str, topic_words: frozenset = frozenset()) -> list[str]:
     """Which of :data:`SIGNALS` say that ``answer`` dropped the task ``prompt`` sets, judged against ``reference``
-    (the first answer to the same prompt): each counts only where the reference does not show it too."""
+    (the first answer to the same prompt): each counts only where the reference does not show it too. The topic is
+    the prompt's content words the reference took up, and ``topic_words`` (:func:`rare_words`: the prompt's own
+    words, not the instructions every prompt shares) — a title "<<spring: a refreshing spring of love>>" to a letter
+    about spring is on the topic though the first answer never said "spring"."""
     out = []
     if echo_share(answer, prompt) >= ECHO > echo_share(reference, prompt):
         out.append("echo")
     if repeated_share(answer) >= REPEATED > repeated_share(reference):
         out.append("repeated")
     mine, own = set(content_words(answer)), own_words(answer, prompt)
-    topic = set(content_words(prompt)) & set(content_words(reference))
-    if topic and not mine & topic and not any(w.isdigit() for w in own):
+    topic = set(content_words(prompt)) & (set(content_words(reference)) | topic_words)
+    if topic and not any(_same_word(a, t) for a in mine for t in topic) and not any(w.isdigit() for w in own):
         out.append("off topic")
     n_ref = len(words(reference))
     if (n_ref >= MIN_REFERENCE_WORDS and len(words(answer)) < SHORTER * n_ref and len(own) < 3
             and not any(w.isdigit() for w in own)):
         out.append("far shorter")
     return out
+
+
+def _same_word(a: str, b: str) -> bool:
+    """One word or two forms of it: equal, or a common prefix of five letters or more ("garden", "gardener",
+    "gardening"; not "apple" and "applause")."""
+    if a == b:
+        return True
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n >= 5
+
+
+def rare_words(prompts: list[str]) -> list[frozenset]:
+    """Per prompt, its content words that at most :data:`RARE` of the evaluation's prompts hold (at least
+    :data:`MIN_PROMPTS` of them; else none): the words that set this prompt apart — its topic, its numbers — and
+    not the instruction or the form a task's prompts share."""
+    sets = [frozenset(content_words(p)) for p in prompts]
+    if len(sets) < MIN_PROMPTS:
+        return [frozenset()] * len(sets)
+    counts = Counter(w for s in sets for w in s)
+    return [frozenset(w for w in s if counts[w] <= RARE * len(sets)) for s in sets]
 
 
 def binomial_upper_tail(k: int, n: int, r: float) -> float:
@@ -118,6 +148,7 @@ def judge(first: list[dict], later: list[dict], step: int, first_step: int) -> F
     both); each sample's ``reference`` answer (the step-0 answer) is the baseline where present, else the first
     evaluation's answer."""
     f = Finding(step, first_step, 0, 0, 0)
+    topics = rare_words([_text(b.get("prompt")) for b in later])
     for i, (a, b) in enumerate(zip(first, later)):
         s0, s1 = _score(a), _score(b)
         if s0 is None or s1 is None or a.get("prompt") != b.get("prompt") or not isinstance(b.get("response"), str):
@@ -129,7 +160,7 @@ def judge(first: list[dict], later: list[dict], step: int, first_step: int) -> F
         f.gained += 1
         reference = b["reference"] if isinstance(b.get("reference"), str) else str(a.get("response", ""))
         prompt = _text(b.get("prompt"))
-        signals = task_signals(prompt, b["response"], reference)
+        signals = task_signals(prompt, b["response"], reference, topics[i])
         if signals:
             f.dropped.append({"index": i, "prompt": prompt, "response": b["response"], "reference": reference,
                               "signals": signals, "score": s1, "first_score": s0})
