@@ -29,14 +29,14 @@ import yaml
 from tether.config import config_from_dict
 from tether.diagnostics.best import add_best
 from tether.diagnostics.gold import describe, with_problem_results
-from tether.diagnostics.groups import flat_groups_kind, flat_groups_prescriptions
+from tether.diagnostics.groups import flat_groups_prescriptions
 from tether.diagnostics.hangs import format_hang, read_hangs
 from tether.diagnostics.headline import (FLAT_KEY, FLAT_REWARD, collapsed_answers, flat_evidence, flat_reward,
                                          is_warning, level)
 from tether.diagnostics.health import (BANDS, GOLD_MEASURES, NO_SIGNAL, NOT_LEARNING, SHORTCUT, TASK_DROPPED, Alert,
                                        HealthConfig, HealthMonitor)
-from tether.diagnostics.heldout import (LEARNED, REWARD_WITHOUT_GOLD, VOUCHABLE, WITHIN_REACH, covered, gold_fell,
-                                        gold_summary, gold_vouches, reward_without_gold)
+from tether.diagnostics.heldout import (REWARD_WITHOUT_GOLD, gold_fell, gold_summary, gold_vouches, reward_without_gold,
+                                        vouched_reason)
 from tether.diagnostics.phases import (PHASES, SCORE_SPLIT, config_value, format_phases, phase_seconds,  # noqa: F401
                                        rollout_layout)
 from tether.diagnostics.prescriptions import PRESCRIPTIONS, Rx
@@ -236,25 +236,16 @@ def diagnose(rows: list[dict], config: HealthConfig | None = None, *, run_config
 
 
 def _vouch(alerts: list[Alert], monitor: HealthMonitor, rows: list[dict]) -> tuple[list[Alert], list[str]]:
-    """The alerts that stand, and a note for each a held-out gain vouches against (:func:`gold_vouches`): a
-    :data:`VOUCHABLE` band's alarm, or a "no signal in the groups" alarm whose flat groups are solved ones, whose
-    stretch the last evaluation covers (:func:`~tether.diagnostics.heldout.covered`)."""
+    """The alerts that stand, and a note for each a held-out gain vouches against (:func:`gold_vouches`; which
+    alarms it may answer: :func:`~tether.diagnostics.heldout.vouched_reason`)."""
     vouch = gold_vouches(monitor)
     if vouch is None:  # the outcome measured on held-out problems contradicts what these bands predict
         return alerts, []
     step, why = vouch
-    kinds = {a.band.name: flat_groups_kind(rows, a.onset_step) for a in alerts if a.band.name == "no_spread"}
-
-    def came_within_reach(a: Alert) -> bool:  # unsolved groups at first, and the band healthy again by the evaluation
-        points = [p for p in monitor.trace(a.band.name) if p.step <= step]
-        return kinds[a.band.name] == "unsolved" and bool(points) and points[-1].state == "ok"
-
-    overruled = [a for a in alerts if covered(a, monitor, step) and (a.band.name in VOUCHABLE or (
-        a.band.name == "no_spread" and (kinds[a.band.name] == "solved" or came_within_reach(a))))]
-    return [a for a in alerts if a not in overruled], [
-        f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): "
-        f"{(LEARNED if kinds[a.band.name] == 'solved' else WITHIN_REACH) if a.band.name == 'no_spread' else ''}{why}"
-        for a in overruled]
+    overruled = [(a, reason) for a in alerts if (reason := vouched_reason(a, monitor, rows, step)) is not None]
+    return [a for a in alerts if all(a is not b for b, _ in overruled)], [
+        f"{a.failure_mode} not counted ({a.band.key} in alarm from step {a.alarm_step}): {reason}{why}"
+        for a, reason in overruled]
 
 
 def _flat_verdict(flat: dict, rows: list[dict], failures: list[Alert], run_config: dict, common: dict) -> Diagnosis:

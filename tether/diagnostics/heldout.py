@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from tether.diagnostics.gold import describe, upper_tail
+from tether.diagnostics.groups import flat_groups_kind
 from tether.diagnostics.health import GOLD_ALARM, GOLD_MEASURES, GOLD_WARN, Alert, HealthMonitor
 
 # Bands that predict damage which a held-out gold evaluation measures directly: a per-token KL tail, an entropy
@@ -92,6 +93,24 @@ def covered(alert: Alert, monitor: HealthMonitor, step: int) -> bool:
     if alert.band.alarm_high is not None:  # further out = higher (KL)
         return max(after) <= VOUCH_SLACK * max(before)
     return min(after) >= min(before) / VOUCH_SLACK  # further out = lower (entropy, length against their baselines)
+
+
+def vouched_reason(alert: Alert, monitor: HealthMonitor, rows: list[dict], step: int) -> str | None:
+    """The note's preamble when the held-out gain found at ``step`` vouches against ``alert`` ('' for a
+    :data:`VOUCHABLE` band), None when the alert stands: it must be :func:`covered`, and a "no signal in the groups"
+    alarm only where its flat groups are solved ones (:data:`LEARNED`) or were unsolved with the band healthy again by
+    that evaluation (:data:`WITHIN_REACH`)."""
+    if not covered(alert, monitor, step):
+        return None
+    if alert.band.name in VOUCHABLE:
+        return ""
+    if alert.band.name != "no_spread":
+        return None
+    kind = flat_groups_kind(rows, alert.onset_step)
+    if kind == "solved":
+        return LEARNED
+    points = [p for p in monitor.trace(alert.band.name) if p.step <= step]
+    return WITHIN_REACH if kind == "unsolved" and points and points[-1].state == "ok" else None
 
 
 def reward_std_at(rows: list[dict], step: int) -> float | None:
