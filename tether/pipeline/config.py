@@ -83,6 +83,8 @@ class PipelinePPO:
     kl_coef: float = option(0.04, "β of the tethered arm (k3 in the loss, recipe 5's)", low=0.0, low_open=True,
                             flag="--kl-coef")
     beta0: bool = option(True, "also run the arm with β = 0 (what the tether prevents)", flag="--beta0")
+    beta0_steps: int = option(0, "PPO steps of the β = 0 arm (0 = --steps): its over-optimisation shows later than "
+                              "the tethered arm's peak", low=0, flag="--beta0-steps")
     control: bool = option(False, "also run the control arm: β as the tethered arm, each batch's reward-model "
                            "scores shuffled across its rows (a reward that says nothing)", flag="--control")
     batch_size: int = option(8, "prompts per PPO step", low=1, flag="--batch-size")

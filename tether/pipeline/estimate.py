@@ -60,8 +60,9 @@ def training_problems(cfg) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def stage_seconds(cfg, kind: str, t_gen: float, t_upd: float, rows: int) -> float | None:
-    """A stage's expected seconds from the two calibrated units (the module docstring's prices)."""
+def stage_seconds(cfg, kind: str, t_gen: float, t_upd: float, rows: int, steps: int = 0) -> float | None:
+    """A stage's expected seconds from the two calibrated units (the module docstring's prices); ``steps``: a PPO
+    arm's own (0 = ``ppo.steps``)."""
     problems = cfg.pairs.prompts or training_problems(cfg)
     pairs = problems * 0.5 * (cfg.pairs.max_per_prompt or cfg.pairs.samples_per_prompt)
     if cfg.pairs.max_pairs:
@@ -71,8 +72,9 @@ def stage_seconds(cfg, kind: str, t_gen: float, t_upd: float, rows: int) -> floa
     if kind == "rm":
         return pairs * cfg.rm.epochs * 2 / rows * t_upd
     if kind == "ppo":
-        evals = 1 + cfg.ppo.steps // cfg.ppo.eval_every
-        return cfg.ppo.steps * (t_gen + 2 * t_upd) + evals * math.ceil(cfg.ppo.eval_n / rows) * t_gen
+        steps = steps or cfg.ppo.steps
+        evals = 1 + steps // cfg.ppo.eval_every
+        return steps * (t_gen + 2 * t_upd) + evals * math.ceil(cfg.ppo.eval_n / rows) * t_gen
     if kind == "dpo":
         return pairs * 2 * 2 / rows * t_upd + math.ceil(cfg.ppo.eval_n / rows) * t_gen
     if kind == "sft" and cfg.sft.steps:
@@ -94,7 +96,7 @@ def estimate_stages(cfg, plan: list, done: set[str]) -> tuple[dict, tuple | None
         from tether.pipeline.stages import task_prompt
 
         units = calibrate(cfg, task_prompt(cfg))
-    return {st.name: stage_seconds(cfg, st.kind, *units) if units else None
+    return {st.name: stage_seconds(cfg, st.kind, *units, st.arm[4] if st.arm else 0) if units else None
             for st in plan if st.name not in done}, units
 
 

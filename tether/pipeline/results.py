@@ -71,7 +71,7 @@ def collect(cfg, out: Path, plan: list, records: dict) -> dict:
     arms: dict = {}
     for st in ppo:
         arm, r = st.name[len("ppo_"):].rsplit("_r", 1)
-        arms.setdefault(arm, {})[r] = arm_round(out / st.name, base, int(r) * cfg.ppo.steps, records.get(st.name, {}))
+        arms.setdefault(arm, {})[r] = arm_round(out / st.name, base, int(r) * st.arm[4], records.get(st.name, {}))
     dpo = records.get("dpo_r0")
     if dpo and isinstance(dpo.get("eval", {}).get("eval/correct"), str):
         ev = dpo["eval"]

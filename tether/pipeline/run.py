@@ -33,7 +33,7 @@ class Stage:
     what: str
     work: Callable[[Path], dict]
     kind: str  # task, sft, pairs, rm, ppo, dpo: what the estimate prices it as
-    arm: tuple = ()  # a PPO arm's (policy, beta, shuffled, round): what a side-by-side process needs
+    arm: tuple = ()  # a PPO arm's (policy, beta, shuffled, round, steps): what a side-by-side process needs
 
 
 def beta_name(beta: float) -> str:
@@ -75,14 +75,14 @@ class RLHFPipeline:
                               lambda d, p=policy, r=r: s.pairs_stage(cfg, task, p, d, cfg.seed + 1000 * r), "pairs"))
             plan.append(Stage(f"rm_r{r}", f"reward model on {len(pair_files)} round(s) of pairs",
                               lambda d, f=tuple(pair_files): s.rm_stage(cfg, backbone, list(f), d), "rm"))
-            arms = [(tethered, cfg.ppo.kl_coef, False)]
+            arms = [(tethered, cfg.ppo.kl_coef, False, cfg.ppo.steps)]
             if cfg.ppo.beta0 and (r == 0 or cfg.refresh.beta0):
-                arms.append(("beta0", 0.0, False))
+                arms.append(("beta0", 0.0, False, cfg.ppo.beta0_steps or cfg.ppo.steps))
             if cfg.ppo.control and r == 0:
-                arms.append(("control", cfg.ppo.kl_coef, True))
-            for arm, beta, shuffle in arms:
+                arms.append(("control", cfg.ppo.kl_coef, True, cfg.ppo.steps))
+            for arm, beta, shuffle, steps in arms:
                 from_policy = start if r == 0 or arm == "control" else str(self.arm_dir(arm, r - 1) / "policy")
-                args = (from_policy, beta, shuffle, r)
+                args = (from_policy, beta, shuffle, r, steps)
                 plan.append(Stage(self.arm_dir(arm, r).name,
                                   f"PPO beta = {beta:g}{', rewards shuffled' if shuffle else ''} against rm_r{r}",
                                   lambda d, a=args: s.run_ppo(self.ppo_config(d, *a), self.callbacks), "ppo", args))
@@ -93,10 +93,10 @@ class RLHFPipeline:
                               lambda d: dpo_stage(cfg, task, start, pair_files[0], d), "dpo"))
         return plan
 
-    def ppo_config(self, d: Path, policy: str, beta: float, shuffle: bool, r: int):
+    def ppo_config(self, d: Path, policy: str, beta: float, shuffle: bool, r: int, steps: int):
         from tether.pipeline.stages import ppo_config
 
-        return ppo_config(self.cfg, self.out / "task", policy, str(self.out / f"rm_r{r}"), beta, shuffle, d)
+        return ppo_config(self.cfg, self.out / "task", policy, str(self.out / f"rm_r{r}"), beta, shuffle, d, steps)
 
     # -- running -------------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -226,11 +226,11 @@ class RLHFPipeline:
         t0, before = time.perf_counter(), torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            run_side_by_side(s.run_ppo_process, jobs, self.cfg.ppo.steps)
+            run_side_by_side(s.run_ppo_process, jobs, max(st.arm[4] for st in group))
         finally:
             torch.set_num_threads(before)
-        for run_dir, _ in jobs:
-            records[run_dir.name] = self.complete(run_dir.name, {"steps": self.cfg.ppo.steps,
+        for run_dir, config in jobs:
+            records[run_dir.name] = self.complete(run_dir.name, {"steps": config["steps"],
                                                                  "policy": str(run_dir / "policy")},
                                                   time.perf_counter() - t0)
         return records

@@ -166,7 +166,7 @@ def rm_stage(cfg: RLHFConfig, backbone: str, pair_files: list[str], d: Path) -> 
 
 
 def ppo_config(cfg: RLHFConfig, task_dir: Path, policy: str, reward_dir: str, beta: float, shuffle: bool,
-               d: Path):
+               d: Path, steps: int | None = None):
     """One PPO arm's :class:`~tether.ppo.config.RunConfig`: recipe 5's GRPO (k3 in the loss, greedy held-out
     evaluation from step 0), the user's ``--ppo-config``, then this arm's policy, reward model, β and budget."""
     from tether.ppo.config import RunConfig
@@ -182,7 +182,7 @@ def ppo_config(cfg: RLHFConfig, task_dir: Path, policy: str, reward_dir: str, be
         cfg.progress
     c.kl.reference = "always"  # the beta = 0 arm's KL is part of what the arms are compared on (tether.ppo.skips)
     _apply_yaml(c, p.config)
-    c.output_dir, c.seed, c.steps, c.save_every = str(d), cfg.seed, p.steps, p.save_every
+    c.output_dir, c.seed, c.steps, c.save_every = str(d), cfg.seed, steps or p.steps, p.save_every
     c.model.policy, c.reward.sources, c.reward.shuffle, c.kl.coef = policy, [reward_dir], shuffle, beta
     c.data.prompts, c.data.eval_prompts = str(task_dir / TRAIN), str(task_dir / HELD_OUT)
     c.reward.gold, c.eval.every, c.eval.n = gold_spec(cfg), p.eval_every, p.eval_n
