@@ -26,6 +26,9 @@ class DataConfig:
                                   low=0.0, low_open=True, high=0.9, flag="--eval-fraction")
     max_length: int = option(512, "max tokens per text; the prompt is cut from the left first", low=4,
                              flag="--max-length")
+    packing: bool = option(True, "train on packed pairs: each pair's shared prompt computed once, chosen and "
+                           "rejected after it (last-token pooling; checked against padded scores at start-up, "
+                           "padded rows when the check fails); --no-packing = padded rows", flag="--packing")
     format: str = option("auto", "text format: chat template if the tokenizer has one (auto), or forced",
                          choices=("auto", "chat", "plain"), flag="--format")
     separator: str = option("", "text between prompt and reply in the plain format", flag="--separator")

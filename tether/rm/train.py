@@ -233,15 +233,21 @@ def clamp_max_length(max_length: int, model) -> int:
 
 
 def pair_loss(model, chosen: list, rejected: list, cfg: RewardTrainingConfig, device: torch.device, pad_id: int,
-              pooling: str, length_w: float | None, autocast: dict) -> tuple[torch.Tensor, torch.Tensor]:
+              pooling: str, length_w: float | None, autocast: dict, packed: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """BT loss of one batch of pairs (A2; plus the length regulariser or expert when configured); chosen
-    and rejected share one forward pass. Returns ``(loss, margins (B,) detached)``."""
+    and rejected share one forward pass (``packed``: one packed unit a pair). Returns ``(loss, margins (B,)
+    detached)``."""
     from tether.rm.backbone import pad_batch, pooled_scores
+    from tether.rm.packing import packed_pair_scores
 
     n = len(chosen)
-    ids, mask = pad_batch([e.ids for e in chosen + rejected], pad_id, "right")  # (2B, T)
     with torch.autocast(**autocast):
-        scores = pooled_scores(model, ids.to(device), mask.to(device), pooling)  # (2B,)
+        if packed:  # each pair's prompt once (tether.rm.packing): the same scores
+            scores = packed_pair_scores(model, [e.ids for e in chosen], [e.ids for e in rejected], pad_id)  # (2B,)
+        else:
+            ids, mask = pad_batch([e.ids for e in chosen + rejected], pad_id, "right")  # (2B, T)
+            scores = pooled_scores(model, ids.to(device), mask.to(device), pooling)  # (2B,)
     s_w, s_l = scores[:n], scores[n:]
     reply_tokens = torch.tensor([e.n_reply_tokens for e in chosen + rejected], device=device)  # (2B,)
     expert = 0.0 if length_w is None else length_expert_logit(length_w, reply_tokens[:n], reply_tokens[n:])
@@ -299,6 +305,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
     generator = torch.Generator().manual_seed(cfg.seed)
     progress = progress or TrainingProgress(None, cfg)
     history = progress.restore(model, optimizer, scheduler, scaler, generator, data_digest(encoded))
+    packed = cfg.data.packing and packing_on(model, encoded, pad_id, pooling)
     model.train()
     bar = StepProgress("train-rm", steps, len(history), mininterval=1.0)
     pair_tokens = [max(len(c.ids), len(r.ids)) for c, r in encoded]
@@ -311,7 +318,7 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
             loss_sum = correct = 0.0
             for batch in group:
                 loss, margins = pair_loss(model, [encoded[i][0] for i in batch], [encoded[i][1] for i in batch],
-                                          cfg, device, pad_id, pooling, length_w, autocast)
+                                          cfg, device, pad_id, pooling, length_w, autocast, packed)
                 # Each batch's mean loss weighted by its share of the step's pairs: the accumulated gradient
                 # is that of the mean over all the step's pairs, however they are cut into batches.
                 scaler.scale(loss * len(batch) / n_pairs).backward()
@@ -328,6 +335,17 @@ def train_loop(model, encoded, cfg: RewardTrainingConfig, device: torch.device, 
             break
     bar.close()
     return history
+
+
+def packing_on(model, encoded, pad_id: int, pooling: str) -> bool:
+    """Whether packed pairs give this model's padded scores (:func:`tether.rm.packing.packing_fallback`), with one
+    line either way."""
+    from tether.rm.packing import packing_fallback
+
+    why_not = packing_fallback(model, encoded, pad_id, pooling) if encoded else "no pairs"
+    print("packing: each pair's prompt once (checked against padded scores)" if not why_not
+          else f"packing off: {why_not}; padded rows")
+    return not why_not
 
 
 def reference_sample(train: list[PreferencePair], held_out: list[PreferencePair], n_train: int, seed: int
