@@ -46,7 +46,7 @@ def config(root, policy, prompts, **over) -> dict:
            "pairs": {"samples_per_prompt": 4, "batch_size": 16, "length_gap": 0, "config": str(root / "sample.yaml")},
            "rm": {"epochs": 1, "batch_size": 8},
            "ppo": {"steps": 2, "batch_size": 4, "samples_per_prompt": 4, "eval_every": 1, "eval_n": 10,
-                   "control": True, "save_every": 1, "config": str(root / "ppo.yaml")},
+                   "control": True, "save_every": 1, "beta0_steps": 3, "config": str(root / "ppo.yaml")},
            "refresh": {"rounds": 1}, "dpo": {"run": dpo_available()}}
     for key, value in over.items():
         section, _, leaf = key.partition("__")
@@ -114,7 +114,8 @@ def test_every_stage_arm_and_round(runs):
     for arm, rounds in results["arms"].items():
         for r, rr in rounds.items():
             if arm != "dpo":
-                assert [e["step"] for e in rr["evals"]] == [2 * int(r) + k for k in (0, 1, 2)]
+                steps = 3 if arm == "beta0" else 2  # --beta0-steps: the beta = 0 arm's own budget
+                assert [e["step"] for e in rr["evals"]] == [steps * int(r) + k for k in range(steps + 1)]
                 assert rr["s_per_step"] > 0 and rr["doctor"]["level"] in ("HEALTHY", "WARNING", "UNHEALTHY")
             for e in rr["evals"]:
                 assert e["p_vs_step0"] == pytest.approx(exact_mcnemar(e["gained"], e["lost"]))
@@ -122,8 +123,18 @@ def test_every_stage_arm_and_round(runs):
         dpo = json.loads((out / "dpo_r0" / MARKER).read_text())
         assert isinstance(dpo["preference_accuracy"], float) and dpo["steps"] > 0
         assert dpo["eval"]["eval/n"] == results["step0"]["n"] == len(dpo["eval"]["eval/correct"])
+        # DPO against each PPO arm's last evaluation, problem by problem (McNemar by the binomial sum)
+        compared = {c["arm"]: c for c in results["dpo_vs_ppo"]}
+        assert set(compared) == set(arms) - {"dpo"}
+        for arm, c in compared.items():
+            last = results["arms"][arm][max(results["arms"][arm], key=int)]["evals"][-1]
+            pairs = list(zip(dpo["eval"]["eval/correct"], last["correct"]))
+            assert (c["only_dpo"], c["only_ppo"]) == (pairs.count(("1", "0")), pairs.count(("0", "1")))
+            assert c["p"] == pytest.approx(exact_mcnemar(c["only_dpo"], c["only_ppo"]))
+            assert c["step"] == last["step"]
     report = (out / "report.md").read_text()
     assert all(f"| {arm} | " in report for arm in arms) and "Wilson" in report
+    assert ("DPO against each PPO arm" in report) == dpo_available()
 
 
 def exact_mcnemar(b: int, c: int) -> float:

@@ -32,7 +32,8 @@ def paired_point(step: int, correct: str, base: str | None, reward=None) -> dict
     """One evaluation: accuracy with its Wilson interval, and against step 0 (``base``) gained, lost and McNemar's p."""
     n, right = len(correct), correct.count("1")
     low, high = wilson_interval(right, n)
-    point = {"step": step, "n": n, "accuracy": right / n if n else float("nan"), "low": low, "high": high}
+    point = {"step": step, "n": n, "accuracy": right / n if n else float("nan"), "low": low, "high": high,
+             "correct": correct}
     if reward is not None:
         point["reward"] = reward
     if base is not None and len(base) == n:
@@ -81,11 +82,33 @@ def collect(cfg, out: Path, plan: list, records: dict) -> dict:
                              "evals": [paired_point(dpo.get("steps", 0), ev["eval/correct"], base,
                                                     ev.get("eval/reward"))]}}
     return {"config": config_to_dict(cfg),
+            "dpo_vs_ppo": dpo_against_ppo(arms),
             "step0": paired_point(0, base, None) if base else None,
             "pairs": {k: v for k, v in records.items() if k.startswith("pairs_")},
             "reward_models": {k: v for k, v in records.items() if k.startswith("rm_")},
             "stage_seconds": {k: v.get("seconds") for k, v in records.items()},
             "arms": arms}
+
+
+def dpo_against_ppo(arms: dict) -> list[dict]:
+    """The DPO arm against each PPO arm's last evaluation, problem by problem: only DPO right, only PPO right and
+    McNemar's exact p ([] without a DPO arm)."""
+    if "dpo" not in arms:
+        return []
+    dpo = arms["dpo"]["0"]["evals"][-1]["correct"]
+    out = []
+    for arm, rounds in arms.items():
+        last_round = max(rounds, key=int) if arm != "dpo" else None
+        if last_round is None or not rounds[last_round]["evals"]:
+            continue
+        ppo = rounds[last_round]["evals"][-1]
+        if len(ppo["correct"]) != len(dpo):
+            continue
+        only_dpo = sum(a == "1" and b == "0" for a, b in zip(dpo, ppo["correct"]))
+        only_ppo = sum(a == "0" and b == "1" for a, b in zip(dpo, ppo["correct"]))
+        out.append({"arm": arm, "round": int(last_round), "step": ppo["step"], "only_dpo": only_dpo,
+                    "only_ppo": only_ppo, "p": mcnemar_exact(only_dpo, only_ppo)})
+    return out
 
 
 def pct(p: dict) -> str:
@@ -113,6 +136,11 @@ def report_markdown(results: dict) -> str:
                 doctor = rr["doctor"]["summary"] if last else ""
                 lines.append(f"| {arm} | {r} | {e['step']} | {pct(e)} | {vs} | {p} | {reward} | {sps} | {wall} | "
                              f"{doctor} |")
+    if results.get("dpo_vs_ppo"):
+        lines += ["", "DPO against each PPO arm's last evaluation, on the same held-out problems:", "",
+                  "| PPO arm | round | step | only DPO right | only PPO right | p |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {c['arm']} | {c['round']} | {c['step']} | {c['only_dpo']} | {c['only_ppo']} | {c['p']:.3g} |"
+                  for c in results["dpo_vs_ppo"]]
     lines += ["", "| stage | pairs | sample accuracy | reward model held-out [Wilson 95%] "
               "| probe: mean AUC, top-1 right | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for name, rec in {**results["pairs"], **results["reward_models"]}.items():
