@@ -233,19 +233,27 @@ def test_pairwise_auc_by_hand():
         pairwise_auc(torch.tensor([]), torch.tensor([1.0]))
 
 
-def test_the_example_config_is_recipe_5_wired():
-    """examples/rlhf-chain-sum.yaml loads; its PPO arms get recipe 5's settings from its stage YAML and the
-    pipeline's wiring over them (this arm's policy, reward model, beta and steps)."""
+@pytest.mark.parametrize("example", ["rlhf-chain-sum.yaml", "rlhf-products.yaml"])
+def test_the_example_config_is_recipe_5_wired(example):
+    """The example pipelines load; their PPO arms get recipe 5's settings from its stage YAML and the pipeline's
+    wiring over them (this arm's policy, reward model, beta and steps); beta = 0 runs 20 steps, the others 10; the
+    DPO arm's YAML is tether dpo's."""
     from pathlib import Path
 
-    from tether.config import as_config
+    from tether.config import as_config, load_yaml
+    from tether.dpo.config import DPOConfig
     from tether.pipeline.config import RLHFConfig
     from tether.pipeline.stages import ppo_config
 
     root = Path(__file__).resolve().parents[1]
-    cfg = as_config(RLHFConfig, str(root / "examples" / "rlhf-chain-sum.yaml"))
-    for section in (cfg.pairs, cfg.ppo):
+    cfg = as_config(RLHFConfig, str(root / "examples" / example))
+    for section in (cfg.pairs, cfg.ppo, cfg.dpo):
         section.config = str(root / section.config)
+    steps = {st.name: st.arm[4] for st in RLHFPipeline(cfg).plan() if st.kind == "ppo"}
+    assert steps == {"ppo_beta0.04_r0": 10, "ppo_beta0_r0": 20, "ppo_control_r0": 10, "ppo_beta0.04_r1": 10}
+    dpo = DPOConfig()
+    load_yaml(dpo, cfg.dpo.config)
+    assert (dpo.optim.lr, dpo.loss.beta, dpo.data.packing) == (5e-5, 0.1, True)
     ppo = ppo_config(cfg, Path("task"), "runs/x/policy", "runs/x/rm_r1", 0.0, False, Path("runs/x/ppo_beta0_r1"))
     assert (ppo.kl.coef, ppo.steps, ppo.reward.sources, ppo.model.policy) == (0.0, 10, ["runs/x/rm_r1"],
                                                                              "runs/x/policy")
