@@ -119,7 +119,7 @@ class RLHFPipeline:
         plan, started = self.plan(), time.perf_counter()
         done = {st.name for st in plan if (self.out / st.name / MARKER).is_file()}
         print(f"tether rlhf -> {self.out}: {len(plan)} stages ({len(done)} complete)", flush=True)
-        self.estimated, units = estimate_stages(self.cfg, plan, done)
+        self.estimated, units = estimate_stages(self.cfg, self.out, plan, done)
         self.plan_run, self.actual = plan, {}
         for line in estimate_lines(self.cfg, plan, done, self.estimated, units):
             print("  " + line, flush=True)

@@ -117,19 +117,10 @@ def pairs_stage(cfg: RLHFConfig, task_dir: Path, policy: str, d: Path, seed: int
     """``tether sample --keep pairs``: the policy's own replies to the training problems, each right reply ≻ each
     wrong one of the same problem by the gold rule, length-matched (``--pair-length-gap``); at most ``--pairs``."""
     from tether.runlog import write_text_atomic
-    from tether.sft.sample import SampleConfig, rejection_sample
+    from tether.sft.sample import rejection_sample
 
-    c, p = SampleConfig(), cfg.pairs
-    c.samples_per_prompt, c.batch_size, c.progress = p.samples_per_prompt, p.batch_size, cfg.progress
-    c.model.dtype = cfg.model.dtype
-    c.data.chat_template, c.data.system_prompt = cfg.task.chat_template, cfg.task.system_prompt
-    c.generation.max_new_tokens, c.generation.temperature = cfg.task.max_new_tokens, cfg.task.temperature
-    c.accept.keep, c.accept.max_per_prompt, c.accept.pair_length_gap = "pairs", p.max_per_prompt, p.length_gap
-    _apply_yaml(c, p.config)
-    c.output, c.seed, c.model.policy = str(d / "pairs.jsonl"), seed, policy
-    c.data.prompts, c.data.max_prompts = str(task_dir / TRAIN), p.prompts
-    c.accept.sources, c.generation.engine = [gold_spec(cfg)], cfg.engine
-    result = rejection_sample(check_config(c))
+    p = cfg.pairs
+    result = rejection_sample(sample_config(cfg, task_dir, policy, d, seed))
     rows = result.rows[:p.max_pairs] if p.max_pairs else result.rows
     if len(rows) < len(result.rows):  # the pair budget: the first problems' pairs, as sampled
         write_text_atomic(result.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -141,6 +132,23 @@ def pairs_stage(cfg: RLHFConfig, task_dir: Path, policy: str, d: Path, seed: int
     return {"pairs": len(rows), "samples": c_["samples"], "sample_accuracy": c_["accepted"] / max(c_["samples"], 1),
             "prompts": c_["prompts"], "prompts_with_pairs": c_["prompts_with_kept"], "file": str(result.output),
             "policy": policy}
+
+
+def sample_config(cfg: RLHFConfig, task_dir: Path, policy: str, d: Path, seed: int):
+    """The pairs stage's :class:`~tether.sft.sample.SampleConfig` (the estimate's calibration samples with it too)."""
+    from tether.sft.sample import SampleConfig
+
+    c, p = SampleConfig(), cfg.pairs
+    c.samples_per_prompt, c.batch_size, c.progress = p.samples_per_prompt, p.batch_size, cfg.progress
+    c.model.dtype = cfg.model.dtype
+    c.data.chat_template, c.data.system_prompt = cfg.task.chat_template, cfg.task.system_prompt
+    c.generation.max_new_tokens, c.generation.temperature = cfg.task.max_new_tokens, cfg.task.temperature
+    c.accept.keep, c.accept.max_per_prompt, c.accept.pair_length_gap = "pairs", p.max_per_prompt, p.length_gap
+    _apply_yaml(c, p.config)
+    c.output, c.seed, c.model.policy = str(d / "pairs.jsonl"), seed, policy
+    c.data.prompts, c.data.max_prompts = str(task_dir / TRAIN), p.prompts
+    c.accept.sources, c.generation.engine = [gold_spec(cfg)], cfg.engine
+    return check_config(c)
 
 
 def rm_stage(cfg: RLHFConfig, backbone: str, pair_files: list[str], d: Path) -> dict:
