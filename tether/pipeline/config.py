@@ -125,8 +125,8 @@ class RLHFConfig:
                          flag="--engine")
     parallel_arms: bool = option(False, "run a round's PPO arms side by side, one process each (cores permitting; "
                                  "the same numbers)", flag="--parallel-arms")
-    estimate: bool = option(True, "time the stages' sampler and one packed update before starting, for the expected time",
-                            flag="--estimate")
+    estimate: bool = option(True, "time the stages' sampler and one packed update before starting, for the "
+                            "expected time", flag="--estimate")
     progress: bool = option(False, "the stages' own progress bars")
     model: PipelineModel = field(default_factory=PipelineModel)
     task: PipelineTask = field(default_factory=PipelineTask)

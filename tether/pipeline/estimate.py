@@ -47,8 +47,8 @@ class Units:
 
     def describe(self) -> str:
         return (f"one generate call of {self.rows} replies {self.t_gen:.2f} s and of {self.pair_rows} "
-                f"{self.t_gen_pairs:.2f} s, an update {1000 * self.t_token:.2f} ms a token; prompt {self.prompt_tokens} "
-                f"tokens, replies {self.reply_tokens:.0f}")
+                f"{self.t_gen_pairs:.2f} s, an update {1000 * self.t_token:.2f} ms a token; prompt "
+                f"{self.prompt_tokens} tokens, replies {self.reply_tokens:.0f}")
 
 
 def calibrate(cfg, out) -> Units:

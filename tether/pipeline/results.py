@@ -138,7 +138,8 @@ def report_markdown(results: dict) -> str:
                              f"{doctor} |")
     if results.get("dpo_vs_ppo"):
         lines += ["", "DPO against each PPO arm's last evaluation, on the same held-out problems:", "",
-                  "| PPO arm | round | step | only DPO right | only PPO right | p |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| PPO arm | round | step | only DPO right | only PPO right | p |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {c['arm']} | {c['round']} | {c['step']} | {c['only_dpo']} | {c['only_ppo']} | {c['p']:.3g} |"
                   for c in results["dpo_vs_ppo"]]
     lines += ["", "| stage | pairs | sample accuracy | reward model held-out [Wilson 95%] "
