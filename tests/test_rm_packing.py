@@ -13,15 +13,16 @@ from tiny import make_llama_chat_dir
 
 from tether.hf import disable_dropout
 from tether.rm.backbone import pad_batch, pooled_scores
-from tether.rm.packing import pack_pairs, packed_pair_scores, packing_fallback, shared_prefix_length
+from tether.rm.packing import common_prefix_length, pack_pairs, packed_pair_scores, packing_fallback
 
 
-def test_shared_prefix_length_by_hand():
-    assert shared_prefix_length([1, 2, 3, 4], [1, 2, 9]) == 2
-    assert shared_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 2  # one text inside the other: each keeps a token
-    assert shared_prefix_length([1, 2, 3], [1, 2, 3]) == 2
-    assert shared_prefix_length([5, 2], [1, 2]) == 0
-    assert shared_prefix_length([7], [7, 8]) == 0
+def test_common_prefix_length_by_hand():
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 9]]) == 2
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # one text inside the other: each keeps a token
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
+    assert common_prefix_length([[5, 2], [1, 2]]) == 0
+    assert common_prefix_length([[7], [7, 8]]) == 0
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5], [1, 9, 3]]) == 1  # a group: what all of them share
 
 
 def test_pack_pairs_layout_by_hand():
@@ -114,23 +115,50 @@ def test_packing_falls_back_where_it_cannot_hold(tmp_path, monkeypatch, capsys):
 
     bert = load_rm(save_tiny_bert(tmp_path / "bert"))
     pairs = chat_pairs(bert, 2)
-    assert "model pooling" in packing_fallback(bert.model, pairs, bert.tokenizer.pad_token_id, "model")
+    groups = [[c.ids, r.ids] for c, r in pairs]
+    assert "model pooling" in packing_fallback(bert.model, groups, bert.tokenizer.pad_token_id, "model")
 
     gpt2 = load_rm(save_tiny_gpt2(tmp_path / "gpt2"))
     pairs = chat_pairs(gpt2, 3)
+    groups = [[c.ids, r.ids] for c, r in pairs]
     pad = gpt2.tokenizer.pad_token_id
     assert packing_on(gpt2.model, pairs, pad, "last_token")
 
     def broken(*args, **kwargs):
         raise RuntimeError("no 4D masks here")
 
-    monkeypatch.setattr(packing, "packed_pair_scores", broken)
+    monkeypatch.setattr(packing, "packed_scores", broken)
     assert not packing_on(gpt2.model, pairs, pad, "last_token")
     assert "packing off: the packed forward failed (RuntimeError: no 4D masks here)" in capsys.readouterr().out
 
-    def shifted(model, chosen, rejected, pad_id):
-        ids, mask = pad_batch(chosen + rejected, pad_id, "right")
+    def shifted(model, groups, pad_id):
+        ids, mask = pad_batch([t for g in groups for t in g], pad_id, "right")
         return pooled_scores(model, ids, mask, "last_token") + 0.1
 
-    monkeypatch.setattr(packing, "packed_pair_scores", shifted)
-    assert "differ from padded ones by 1.00e-01" in packing_fallback(gpt2.model, pairs, pad, "last_token")
+    monkeypatch.setattr(packing, "packed_scores", shifted)
+    assert "differ from padded ones by 1.00e-01" in packing_fallback(gpt2.model, groups, pad, "last_token")
+
+
+def test_reward_model_scores_packed_groups_as_padded_rows(rm, capsys):
+    """RewardModel.score (PPO's reward, the pairs' verdict): the K replies of each prompt packed after it, in
+    batches that cut between prompts, give the padded scores of every text in its own place."""
+    prompts = [f"What is {i} + 3? Answer briefly." for i in range(5) for _ in range(3)] + ["Say hi."]
+    replies = [f"The answer is {i + k}." + " ok" * k for i in range(5) for k in range(3)] + ["hi"]
+    order = [3, 0, 15, 7, 1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14]  # a prompt's replies need not be adjacent
+    prompts, replies = [prompts[i] for i in order], [replies[i] for i in order]
+    rm.packing = None
+    packed = rm.score(prompts, replies, raw=True, batch_size=4)
+    assert rm.packing is True and "packing off" not in capsys.readouterr().out
+    rm.packing = False
+    padded = rm.score(prompts, replies, raw=True, batch_size=4)
+    rm.packing = None
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    assert packed.std() > 0  # not one score for everything
+
+
+def test_prompt_groups_cut_between_prompts():
+    from tether.rm.model import prompt_groups
+
+    prompts = ["a", "b", "a", "c", "c", "c", "b", "d"]
+    assert prompt_groups(prompts, 4) == [[[0, 2], [1, 6]], [[3, 4, 5], [7]]]
+    assert prompt_groups(prompts, 2) == [[[0, 2]], [[1, 6]], [[3, 4, 5]], [[7]]]  # a group larger than a batch

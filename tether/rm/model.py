@@ -106,6 +106,22 @@ def choose_format(tokenizer, kind: str = "auto", separator: str = "", max_length
     return TextFormat(kind=kind, separator=separator, max_length=max_length)
 
 
+def prompt_groups(prompts: Sequence[str], batch_size: int) -> list[list[list[int]]]:
+    """Indices of the texts grouped by prompt (first-seen order), the groups cut into batches of about
+    ``batch_size`` texts (a group larger than that is a batch of its own)."""
+    by_prompt: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_prompt.setdefault(p if isinstance(p, str) else repr(p), []).append(i)
+    batches, current, n = [], [], 0
+    for group in by_prompt.values():
+        if current and n + len(group) > batch_size:
+            batches.append(current)
+            current, n = [], 0
+        current.append(group)
+        n += len(group)
+    return batches + ([current] if current else [])
+
+
 # ---------------------------------------------------------------------------------------- scoring API
 class RewardModel:
     """A trained reward model: ``score(prompts, responses)`` → standardised scores (B,) float32 on CPU.
@@ -121,6 +137,7 @@ class RewardModel:
         self.pooling = pooling or pooling_of(model)
         self.mean, self.std = float(mean), float(std)
         self.metadata = dict(metadata or {})
+        self.packing: bool | None = None  # scored packed when the check passes (:meth:`packed`)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
@@ -153,14 +170,34 @@ class RewardModel:
         raw head output r with ``raw=True``. Batched by similar length; no gradients."""
         encoded = [e.ids for e in self.encode(prompts, responses)]
         out = torch.empty(len(encoded), dtype=torch.float32)
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding per batch
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.packed(prompts, encoded, pad_id):
+            from tether.rm.packing import packed_scores
+
+            for rows in prompt_groups(prompts, batch_size):  # each prompt once, its replies after it
+                scores = packed_scores(self.model, [[encoded[i] for i in g] for g in rows], pad_id)
+                out[torch.tensor([i for g in rows for i in g])] = scores.cpu()
+            return out if raw else (out - self.mean) / self.std
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding per batch
         for lo in range(0, len(order), batch_size):
             rows = order[lo:lo + batch_size]
             ids, mask = pad_batch([encoded[i] for i in rows], pad_id, "right")
             scores = pooled_scores(self.model, ids.to(self.device), mask.to(self.device), self.pooling)
             out[torch.tensor(rows)] = scores.float().cpu()
         return out if raw else (out - self.mean) / self.std
+
+    def packed(self, prompts: Sequence[str], encoded: list[list[int]], pad_id: int) -> bool:
+        """Whether to score packed (:mod:`tether.rm.packing`): ``self.packing`` None (the default) = checked once,
+        on the first call's texts, against the padded scores (one line when it falls back); True / False forces."""
+        if self.packing is None:
+            from tether.rm.packing import packing_fallback
+
+            groups = [[encoded[i] for i in g] for g in prompt_groups(prompts, 8)[0]]
+            why_not = packing_fallback(self.model, groups, pad_id, self.pooling)
+            if why_not:
+                print(f"reward model: packing off ({why_not}); padded rows")
+            self.packing = not why_not
+        return self.packing
 
     def set_normalization(self, raw_scores: torch.Tensor, sample: str = "") -> None:
         """Store mean/std (population) of ``raw_scores`` (N,) from the reference sample (A5)."""

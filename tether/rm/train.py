@@ -342,7 +342,8 @@ def packing_on(model, encoded, pad_id: int, pooling: str) -> bool:
     line either way."""
     from tether.rm.packing import packing_fallback
 
-    why_not = packing_fallback(model, encoded, pad_id, pooling) if encoded else "no pairs"
+    why_not = packing_fallback(model, [[c.ids, r.ids] for c, r in encoded[:4]], pad_id, pooling) if encoded \
+        else "no pairs"
     print("packing: each pair's prompt once (checked against padded scores)" if not why_not
           else f"packing off: {why_not}; padded rows")
     return not why_not
