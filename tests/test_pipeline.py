@@ -132,8 +132,20 @@ def test_every_stage_arm_and_round(runs):
             assert (c["only_dpo"], c["only_ppo"]) == (pairs.count(("1", "0")), pairs.count(("0", "1")))
             assert c["p"] == pytest.approx(exact_mcnemar(c["only_dpo"], c["only_ppo"]))
             assert c["step"] == last["step"]
+    # every arm against the control at the control's evaluated steps (1 and 2), counted by hand
+    control = {e["step"]: e["correct"] for e in results["arms"]["control"]["0"]["evals"] if e["step"] > 0}
+    seen = set()
+    for c in results["vs_control"]:
+        e = next(e for e in results["arms"][c["arm"]][str(c["round"])]["evals"] if e["step"] == c["step"])
+        pairs = list(zip(e["correct"], control[c["control_step"]]))
+        assert (c["only_arm"], c["only_control"]) == (pairs.count(("1", "0")), pairs.count(("0", "1")))
+        assert c["p"] == pytest.approx(exact_mcnemar(c["only_arm"], c["only_control"]))
+        seen.add((c["arm"], c["round"], c["step"]))
+    assert {("beta0.04", 0, 1), ("beta0.04", 0, 2), ("beta0", 0, 1), ("beta0", 0, 2)} <= seen
+    assert ("beta0", 0, 3) not in seen  # the control has no step 3
     report = (out / "report.md").read_text()
     assert all(f"| {arm} | " in report for arm in arms) and "Wilson" in report
+    assert "against the shuffled-reward control" in report
     assert ("DPO against each PPO arm" in report) == dpo_available()
 
 

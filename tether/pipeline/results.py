@@ -83,11 +83,19 @@ def collect(cfg, out: Path, plan: list, records: dict) -> dict:
                                                     ev.get("eval/reward"))]}}
     return {"config": config_to_dict(cfg),
             "dpo_vs_ppo": dpo_against_ppo(arms),
+            "vs_control": against_control(arms),
             "step0": paired_point(0, base, None) if base else None,
             "pairs": {k: v for k, v in records.items() if k.startswith("pairs_")},
             "reward_models": {k: v for k, v in records.items() if k.startswith("rm_")},
             "stage_seconds": {k: v.get("seconds") for k, v in records.items()},
             "arms": arms}
+
+
+def paired(a: str, b: str) -> tuple[int, int, float]:
+    """Problems only ``a`` got right, only ``b`` got right (two ``eval/correct`` strings) and McNemar's exact p."""
+    only_a = sum(x == "1" and y == "0" for x, y in zip(a, b))
+    only_b = sum(x == "0" and y == "1" for x, y in zip(a, b))
+    return only_a, only_b, mcnemar_exact(only_a, only_b)
 
 
 def dpo_against_ppo(arms: dict) -> list[dict]:
@@ -104,10 +112,32 @@ def dpo_against_ppo(arms: dict) -> list[dict]:
         ppo = rounds[last_round]["evals"][-1]
         if len(ppo["correct"]) != len(dpo):
             continue
-        only_dpo = sum(a == "1" and b == "0" for a, b in zip(dpo, ppo["correct"]))
-        only_ppo = sum(a == "0" and b == "1" for a, b in zip(dpo, ppo["correct"]))
+        only_dpo, only_ppo, p = paired(dpo, ppo["correct"])
         out.append({"arm": arm, "round": int(last_round), "step": ppo["step"], "only_dpo": only_dpo,
-                    "only_ppo": only_ppo, "p": mcnemar_exact(only_dpo, only_ppo)})
+                    "only_ppo": only_ppo, "p": p})
+    return out
+
+
+def against_control(arms: dict) -> list[dict]:
+    """Every arm's evaluation at a step the control arm was evaluated at (after step 0) against the control's, problem
+    by problem — what the reward model's information adds over training on a reward that says nothing (the DPO arm
+    against the control's last evaluation). [] without a control arm."""
+    if "control" not in arms:
+        return []
+    control = {e["step"]: e["correct"] for e in arms["control"]["0"]["evals"] if e["step"] > 0}
+    if not control:
+        return []
+    out = []
+    for arm, rounds in arms.items():
+        if arm == "control":
+            continue
+        for r in sorted(rounds, key=int):
+            for e in rounds[r]["evals"]:
+                step = max(control) if arm == "dpo" else e["step"]
+                if step in control and len(control[step]) == len(e["correct"]):
+                    only_arm, only_control, p = paired(e["correct"], control[step])
+                    out.append({"arm": arm, "round": int(r), "step": e["step"], "control_step": step,
+                                "only_arm": only_arm, "only_control": only_control, "p": p})
     return out
 
 
@@ -142,6 +172,13 @@ def report_markdown(results: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {c['arm']} | {c['round']} | {c['step']} | {c['only_dpo']} | {c['only_ppo']} | {c['p']:.3g} |"
                   for c in results["dpo_vs_ppo"]]
+    if results.get("vs_control"):
+        lines += ["", "Each arm against the shuffled-reward control at the same step, on the same held-out problems "
+                  "(what the reward model's information adds over a reward that says nothing):", "",
+                  "| arm | round | step | control step | only the arm right | only the control right | p |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {c['arm']} | {c['round']} | {c['step']} | {c['control_step']} | {c['only_arm']} | "
+                  f"{c['only_control']} | {c['p']:.3g} |" for c in results["vs_control"]]
     lines += ["", "| stage | pairs | sample accuracy | reward model held-out [Wilson 95%] "
               "| probe: mean AUC, top-1 right | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for name, rec in {**results["pairs"], **results["reward_models"]}.items():
