@@ -50,6 +50,12 @@ def main(paths: list[str]) -> None:
         for c in results.get("dpo_vs_ppo", []):
             print(f"| {name} | {c['arm']} round {c['round']} step {c['step']} | {c['only_dpo']} | {c['only_ppo']} | "
                   f"{c['p']:.2g} |")
+    print("\n| run | arm, step | against the control at step | only the arm right | only the control right | p |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, results in runs:
+        for c in results.get("vs_control", []):
+            print(f"| {name} | {c['arm']} round {c['round']}, step {c['step']} | {c['control_step']} | {c['only_arm']} | "
+                  f"{c['only_control']} | {c['p']:.2g} |")
     print("\n| run | " + " | ".join(["stage seconds (this invocation; skipped stages: their first run's)", "total"])
           + " |")
     print("| --- | --- | --- |")
