@@ -191,9 +191,10 @@ def report_markdown(results: dict) -> str:
                     if isinstance(h.get("accuracy"), float) else "–")
             probe = f"{pr['mean_auc']:.2f}, {pr['top1_right']:.2f}" if pr.get("mean_auc") is not None else "–"
             lines.append(f"| {name} | | | {held} | {probe} | {rec['seconds']:.0f} |")
+    stages = sum(v for v in results.get("stage_seconds", {}).values() if v is not None)
     if "total_seconds" in results:
-        lines += ["", f"Total wall time of this invocation: {results['total_seconds']:.0f} s (skipped stages "
-                  "cost nothing)."]
+        lines += ["", f"Stages: {stages:.0f} s in all, each as its own run took it; this invocation "
+                  f"{results['total_seconds']:.0f} s (a complete stage is skipped and costs nothing)."]
     return "\n".join(lines) + "\n"
 
 
