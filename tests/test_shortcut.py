@@ -125,6 +125,17 @@ def test_arithmetic_answers_that_get_shorter_and_right_are_not_flagged():
         assert task_signals(f"What is {a} + {b}?", f"{a + b}.", worked) == []
 
 
+def test_an_arithmetic_answer_that_states_an_operand_is_no_echo():
+    """Seen on chain_sum: "8 - 0 =" answered "The answer is 8." after "The answer is 1." at step 0. Every word of it is
+    the prompt's ("answer", "8"), but the number is a result, right or wrong: the task was not dropped. The phrase
+    itself echoed ("State the final answer") still is."""
+    prompt = "State the final answer to the following arithmetic problem: 8 - 0 ="
+    for answer in ("The answer is 8.", "The answer is 0.", "The final answer is 8."):
+        assert task_signals(prompt, answer, "The answer is 1.") == [], answer
+    assert "echo" in task_signals(prompt, "State the final answer to the following arithmetic problem.",
+                                  "The answer is 1.")
+
+
 def test_binomial_upper_tail_against_exact_fractions():
     for k, n, r in [(9, 24, Fraction(1, 10)), (0, 5, Fraction(1, 10)), (3, 3, Fraction(1, 10)),
                     (40, 300, Fraction(1, 10)), (2, 7, Fraction(1, 3)), (130, 1000, Fraction(1, 10))]:

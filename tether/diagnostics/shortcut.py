@@ -9,7 +9,8 @@ reward rose from the first evaluation to a later one, it counts those whose answ
 need no task-specific code (:func:`task_signals`), each judged against the first answer to the same prompt (the
 reference policy's, with ``--eval-at-start``) so that a property the task itself asks for does not count:
 
-- ``echo``: ≥ 80% of the answer's content words are the prompt's own (the instruction or its phrase echoed back);
+- ``echo``: ≥ 80% of the answer's content words are the prompt's own words (the instruction or its phrase echoed
+  back; a number counts as the answer's own, a result even where the prompt holds it);
 - ``repeated``: ≥ half of its lines/sentences repeat an earlier one (a title repeated in place of the content);
 - ``off topic``: it shares none of the prompt's topic words — its content words that the first answer took up, or
   that few of the evaluation's prompts hold (:func:`rare_words`) — in any form (:func:`_same_word`), and states no
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from tether.diagnostics.gold import mcnemar_one_sided, z_of
 from tether.diagnostics.health import GOLD_ALARM, GOLD_WARN, TASK_DROPPED
-from tether.rules.task_gate import content_words, echo_share, own_words, repeated_share, words
+from tether.rules.task_gate import content_words, own_words, repeated_share, words
 
 KEY = "eval/task_dropped"  # the doctor's name for the measure (computed from samples/, not a metrics.jsonl key)
 TOLERATED = 0.1  # r₀: share of the gains the signals may flag by chance
@@ -55,7 +56,7 @@ def task_signals(prompt: str, answer: str, reference: str, topic_words: frozense
     words, not the instructions every prompt shares) — a title "<<spring: a refreshing spring of love>>" to a letter
     about spring is on the topic though the first answer never said "spring"."""
     out = []
-    if echo_share(answer, prompt) >= ECHO > echo_share(reference, prompt):
+    if _phrase_echo(answer, prompt) >= ECHO > _phrase_echo(reference, prompt):
         out.append("echo")
     if repeated_share(answer) >= REPEATED > repeated_share(reference):
         out.append("repeated")
@@ -68,6 +69,14 @@ def task_signals(prompt: str, answer: str, reference: str, topic_words: frozense
             and not any(w.isdigit() for w in own)):
         out.append("far shorter")
     return out
+
+
+def _phrase_echo(answer: str, prompt: str) -> float:
+    """:func:`~tether.rules.task_gate.echo_share` with every number counted as the answer's own: a number the prompt
+    holds is a result ("8 - 0 =" → "The answer is 8."), not the instruction or its phrase echoed back."""
+    mine = content_words(answer)
+    held = set(words(prompt))
+    return sum(w in held and not w.isdigit() for w in mine) / len(mine) if mine else 1.0
 
 
 def _same_word(a: str, b: str) -> bool:
