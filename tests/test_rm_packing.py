@@ -162,3 +162,16 @@ def test_prompt_groups_cut_between_prompts():
     prompts = ["a", "b", "a", "c", "c", "c", "b", "d"]
     assert prompt_groups(prompts, 4) == [[[0, 2], [1, 6]], [[3, 4, 5], [7]]]
     assert prompt_groups(prompts, 2) == [[[0, 2]], [[1, 6]], [[3, 4, 5]], [[7]]]  # a group larger than a batch
+
+
+def test_eager_attention_takes_the_block_mask_as_an_additive_one(rm):
+    """Eager attention adds its mask to the scores (tether.hf.block_mask_for): packed scores still equal padded."""
+    pairs = chat_pairs(rm)
+    chosen, rejected = [c.ids for c, _ in pairs], [r.ids for _, r in pairs]
+    pad = rm.tokenizer.pad_token_id
+    model = copy.deepcopy(rm.model)
+    model.config._attn_implementation = "eager"
+    ids, mask = pad_batch(chosen + rejected, pad, "right")
+    with torch.no_grad():
+        torch.testing.assert_close(packed_pair_scores(model, chosen, rejected, pad),
+                                   pooled_scores(model, ids, mask, "last_token"), rtol=1e-5, atol=1e-5)

@@ -167,6 +167,15 @@ def transformers_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def block_mask_for(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """A packed batch's (N, 1, L, L) bool block mask (True = may attend, :mod:`tether.core.packing`) as this model's
+    attention takes it: as is for sdpa and flex, additive (0 / the dtype's minimum) for eager, which adds its mask to
+    the scores."""
+    if transformers_model(model).config._attn_implementation != "eager":
+        return mask
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
 def load_causal_lm(path: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, dropout: bool = False):
     """A causal LM from a local directory in ``dtype``, dropout off (``dropout``: as its config sets it, for SFT);
     a directory that is not one (an encoder, a classifier, missing or corrupt weights) is a one-line error."""

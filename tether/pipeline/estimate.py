@@ -67,7 +67,8 @@ def calibrate(cfg, out) -> Units:
         model, tokenizer, use_chat = load_policy_for_sampling(c)
         engine = make_engine(c, model, tokenizer)
         prompting = Prompting(use_chat, c.data.system_prompt, c.data.prompt_template, c.data.max_prompt_length)
-        device, precision = next(model.parameters()).device, Precision(DTYPES[c.model.dtype], "cpu")
+        device = next(model.parameters()).device
+        precision = Precision(DTYPES[c.model.dtype], device.type)
 
         def generate(n: int):
             t0 = time.perf_counter()
@@ -82,34 +83,29 @@ def calibrate(cfg, out) -> Units:
         finally:
             engine.close()
         del model
-        t_token, tokens = update_seconds_per_token(cfg, rollout)
+        t_token = update_seconds_per_token(cfg, rollout)
     prompt_tokens = int(rollout.query_mask[0].sum())
     reply_tokens = float(rollout.response_mask.sum()) / rows
     return Units(t_gen, t_gen_pairs, t_token, rows, pair_rows, prompt_tokens, max(reply_tokens, 1.0))
 
 
-def update_seconds_per_token(cfg, rollout) -> tuple[float, int]:
+def update_seconds_per_token(cfg, rollout) -> float:
     """Seconds a token of one forward + backward of the policy in the stages' dtype (LoRA adapters when
     ``--lora-r``) on the rollout packed — the prompt once, each reply after it — with log-probs of the reply tokens
-    only, as PPO's packed update computes them; and the tokens computed."""
+    only, as PPO's packed update computes them."""
     from tether.core.packing import pack_units
-    from tether.hf import load_causal_lm, transformers_model
+    from tether.hf import apply_lora, block_mask_for, load_causal_lm, transformers_model
     from tether.presets import resolve_model_path
 
     model = load_causal_lm(resolve_model_path(cfg.model.policy, what="policy"), cfg.model.dtype, False)
-    if cfg.model.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha,
-                                                 target_modules="all-linear"))
+    if cfg.model.lora_r:  # as the stages wrap it: every linear layer, the adapter in fp32
+        model = apply_lora(model, cfg.model.lora_r, float(cfg.model.lora_alpha), 0.0, "all-linear")
     model.train()
     prompt = rollout.query[0][rollout.query_mask[0].bool()]
     replies = [row[mask.bool()] for row, mask in zip(rollout.response, rollout.response_mask)]
     replies = [r if len(r) else prompt[-1:] for r in replies]
     packed = pack_units([prompt], [replies], pad_id=0)
-    mask = packed.attention_mask
-    if transformers_model(model).config._attn_implementation == "eager":
-        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    mask = block_mask_for(model, packed.attention_mask)
     index = torch.cat(packed.suffix_index[0])
     targets = packed.input_ids.reshape(-1)[index]
 
@@ -122,7 +118,7 @@ def update_seconds_per_token(cfg, rollout) -> tuple[float, int]:
         return time.perf_counter() - t0
 
     update()  # the first pass pays for allocations and lazy set-up, as a stage's first step does once
-    return update() / packed.tokens, packed.tokens
+    return update() / packed.tokens
 
 
 def training_problems(cfg) -> int:

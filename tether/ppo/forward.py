@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.core.stats import entropy_from_logits, logprobs_from_logits
-from tether.hf import transformers_model
+from tether.hf import block_mask_for, transformers_model
 from tether.ppo.config import LOGIT_CHUNK_TOKENS
 from tether.ppo.models import ValueHead
 from tether.rollout.records import Rollout
@@ -153,9 +153,7 @@ def packed_hidden_states(model, batch: Rollout) -> torch.Tensor:
     s_0 is the prompt's last state; s_t (t ≥ 1) the state at response token t−1; past a row's end the last state
     repeats (s_T of a row of length L is its state at token L−1, the truncation bootstrap's V(s_T))."""
     packed, rows_of_unit = pack_rollout(batch)
-    mask = packed.attention_mask
-    if transformers_model(model).config._attn_implementation == "eager":  # eager adds the mask to its scores
-        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    mask = block_mask_for(model, packed.attention_mask)
     out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
                 output_hidden_states=True, use_cache=False,
                 **({"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}))

@@ -67,15 +67,13 @@ def packed_scores(model, groups: list[list[list[int]]], pad_id: int) -> torch.Te
     """Raw scores float32 of every text, in group order (group 0's texts, then group 1's, …), from one packed
     forward of the backbone and the linear head: ``last_token`` pooling's scores
     (:func:`tether.rm.backbone.pooled_scores`)."""
-    from tether.hf import transformers_model
+    from tether.hf import block_mask_for, transformers_model
     from tether.rm.backbone import linear_head
 
     hf = transformers_model(model)
     device = next(model.parameters()).device
     packed, last = pack_groups(groups, pad_id)
-    mask = packed.attention_mask.to(device)
-    if hf.config._attn_implementation == "eager":  # eager adds its mask to the scores
-        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    mask = block_mask_for(model, packed.attention_mask.to(device))
     hidden = hf.base_model(input_ids=packed.input_ids.to(device), attention_mask=mask,
                            position_ids=packed.position_ids.to(device), use_cache=False).last_hidden_state
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N·L, H)
