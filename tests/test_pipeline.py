@@ -143,6 +143,8 @@ def test_every_stage_arm_and_round(runs):
         seen.add((c["arm"], c["round"], c["step"]))
     assert {("beta0.04", 0, 1), ("beta0.04", 0, 2), ("beta0", 0, 1), ("beta0", 0, 2)} <= seen
     assert ("beta0", 0, 3) not in seen  # the control has no step 3
+    # a refresh round's first evaluation is the round before's last policy: paired with the control once
+    assert len({(arm, step) for arm, _, step in seen}) == len(results["vs_control"])
     report = (out / "report.md").read_text()
     assert all(f"| {arm} | " in report for arm in arms) and "Wilson" in report
     assert "against the shuffled-reward control" in report

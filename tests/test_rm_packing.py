@@ -148,7 +148,8 @@ def test_reward_model_scores_packed_groups_as_padded_rows(rm, capsys):
     prompts, replies = [prompts[i] for i in order], [replies[i] for i in order]
     rm.packing = None
     packed = rm.score(prompts, replies, raw=True, batch_size=4)
-    assert rm.packing is True and "packing off" not in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert rm.packing is True and "packing off" not in said.out + said.err
     rm.packing = False
     padded = rm.score(prompts, replies, raw=True, batch_size=4)
     rm.packing = None

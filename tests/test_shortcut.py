@@ -226,6 +226,24 @@ def test_doctor_stays_healthy_on_real_gains_and_warns_on_a_few_shortcuts(tmp_pat
     assert "the shortcut check read 36 of the 64 held-out problems" in d.notes[1]
 
 
+def test_a_held_out_split_smaller_than_eval_n_is_read_in_full(tmp_path):
+    """eval.n is a ceiling: a run whose held-out split holds 36 problems evaluates 36 (eval/n in metrics.jsonl), and
+    the check that read all 36 is not reported as partial ("read 36 of the 200")."""
+    import json as json_
+    from tether.diagnostics.doctor import diagnose_run
+
+    run = write_history(tmp_path, 0, "split", eval_n=200)
+    rows = [json_.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # the rows say 200 were evaluated and samples/ holds 36: partial, and said
+    assert any("the shortcut check read 36 of the 200" in n for n in diagnose_run(run).notes)
+    for row in rows:
+        if "eval/n" in row:
+            row["eval/n"] = 36
+    (run / "metrics.jsonl").write_text("".join(json_.dumps(r) + "\n" for r in rows))
+    assert [f.eval_n for f in judge_run(run)] == [36, 36]
+    assert not any("shortcut check read" in n for n in diagnose_run(run).notes)
+
+
 def test_unrecorded_or_single_evaluations_are_not_judged(tmp_path):
     assert judge_run(tmp_path) == []
     (tmp_path / "samples").mkdir()

@@ -216,9 +216,28 @@ def judge_run(run_dir: str | Path) -> list[Finding]:
     (first_step, first), later = evaluations[0], evaluations[1:]
     trace = [judge(first, samples, step, first_step) for step, samples in later]
     eval_n = _eval_n(Path(run_dir) / "config.yaml")
+    evaluated = _evaluated_n(Path(run_dir) / "metrics.jsonl")
     for f in trace:
-        f.eval_n = eval_n
+        # eval.n is an upper bound: a held-out split with fewer problems evaluates them all (eval/n at that step)
+        f.eval_n = eval_n if evaluated.get(f.step) is None or eval_n is None else min(eval_n, evaluated[f.step])
     return trace
+
+
+def _evaluated_n(path: Path) -> dict[int, int]:
+    """``{step: eval/n}`` from ``metrics.jsonl``: how many held-out problems each evaluation read ({} unreadable)."""
+    out = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return out
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("eval/n"), int) and isinstance(row.get("step"), int):
+            out[row["step"]] = row["eval/n"]
+    return out
 
 
 def _eval_n(path: Path) -> int | None:

@@ -127,7 +127,8 @@ class RLHFConfig:
                                  "the same numbers)", flag="--parallel-arms")
     estimate: bool = option(True, "time the stages' sampler and one packed update before starting, for the "
                             "expected time", flag="--estimate")
-    progress: bool = option(False, "the stages' own progress bars")
+    progress: bool = option(True, "each stage's per-step progress on stderr: a bar on a terminal, one line a step in "
+                            "a log (false: the stage lines and evaluations only)")
     model: PipelineModel = field(default_factory=PipelineModel)
     task: PipelineTask = field(default_factory=PipelineTask)
     sft: PipelineSFT = field(default_factory=PipelineSFT)

@@ -84,6 +84,7 @@ def collect(cfg, out: Path, plan: list, records: dict) -> dict:
     return {"config": config_to_dict(cfg),
             "dpo_vs_ppo": dpo_against_ppo(arms),
             "vs_control": against_control(arms),
+            "twin_free": twin_free(out / "task", arms, base),
             "step0": paired_point(0, base, None) if base else None,
             "pairs": {k: v for k, v in records.items() if k.startswith("pairs_")},
             "reward_models": {k: v for k, v in records.items() if k.startswith("rm_")},
@@ -131,14 +132,41 @@ def against_control(arms: dict) -> list[dict]:
     for arm, rounds in arms.items():
         if arm == "control":
             continue
+        seen = set()  # a refresh round's step 0 is the round before's last policy: paired once
         for r in sorted(rounds, key=int):
             for e in rounds[r]["evals"]:
                 step = max(control) if arm == "dpo" else e["step"]
-                if step in control and len(control[step]) == len(e["correct"]):
+                if step in control and len(control[step]) == len(e["correct"]) and e["step"] not in seen:
+                    seen.add(e["step"])
                     only_arm, only_control, p = paired(e["correct"], control[step])
                     out.append({"arm": arm, "round": int(r), "step": e["step"], "control_step": step,
                                 "only_arm": only_arm, "only_control": only_control, "p": p})
     return out
+
+
+def twin_free(task_dir: Path, arms: dict, base: str | None) -> dict | None:
+    """Every arm's last evaluation of each round on the held-out problems with no twin in training
+    (:mod:`tether.pipeline.twins`), paired against step 0 on the same problems; None without step 0 or the split."""
+    from tether.pipeline.twins import select, twin_flags
+
+    try:
+        train, held = ([json.loads(x) for x in (task_dir / name).read_text(encoding="utf-8").splitlines() if x.strip()]
+                       for name in ("train.jsonl", "heldout.jsonl"))
+    except (OSError, ValueError):
+        return None
+    if base is None:
+        return None
+    keep = [not twin for twin in twin_flags(train, held)][:len(base)]
+    base_kept = select(base, keep)
+    evals = []
+    for arm, rounds in arms.items():
+        for r in sorted(rounds, key=int):
+            e = rounds[r]["evals"][-1] if rounds[r]["evals"] else None
+            if e and len(e["correct"]) == len(base):
+                evals.append({"arm": arm, "round": int(r), **paired_point(e["step"], select(e["correct"], keep),
+                                                                           base_kept)})
+    return {"n": len(base), "twins": len(keep) - sum(keep), "step0": paired_point(0, base_kept, None),
+            "evals": evals}
 
 
 def pct(p: dict) -> str:
@@ -166,6 +194,15 @@ def report_markdown(results: dict) -> str:
                 doctor = rr["doctor"]["summary"] if last else ""
                 lines.append(f"| {arm} | {r} | {e['step']} | {pct(e)} | {vs} | {p} | {reward} | {sps} | {wall} | "
                              f"{doctor} |")
+    tf = results.get("twin_free")
+    if tf and tf["twins"]:
+        lines += ["", f"{tf['twins']} of the {tf['n']} held-out problems have a twin in training (the same words in "
+                  "another order, the same answer): a memorised answer gets them right. On the other "
+                  f"{tf['n'] - tf['twins']} (step 0: {pct(tf['step0'])}):", "",
+                  "| arm | round | step | gold accuracy without twins [Wilson 95%] | gained / lost vs step 0 | p |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {e['arm']} | {e['round']} | {e['step']} | {pct(e)} | +{e['gained']} / −{e['lost']} | "
+                  f"{e['p_vs_step0']:.3g} |" for e in tf["evals"]]
     if results.get("dpo_vs_ppo"):
         lines += ["", "DPO against each PPO arm's last evaluation, on the same held-out problems:", "",
                   "| PPO arm | round | step | only DPO right | only PPO right | p |",

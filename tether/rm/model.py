@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -195,7 +196,7 @@ class RewardModel:
             groups = [[encoded[i] for i in g] for g in prompt_groups(prompts, 8)[0]]
             why_not = packing_fallback(self.model, groups, pad_id, self.pooling)
             if why_not:
-                print(f"reward model: packing off ({why_not}); padded rows")
+                print(f"reward model: packing off ({why_not}); padded rows", file=sys.stderr)
             self.packing = not why_not
         return self.packing
 
@@ -255,7 +256,6 @@ def foreign_reward_model(path: Path, device=None, dtype=None) -> RewardModel:
     (mean 0, std 1: z = r), as TRL's trainers use a reward model's logit; one line on stderr says so. Text is
     formatted as TRL's reward trainer formats it: the tokenizer's chat template when it has one, else prompt +
     reply. A directory that is not a one-output sequence classifier is a one-line error saying what it is."""
-    import sys
 
     config = json.loads((path / "config.json").read_text(encoding="utf-8")) if (path / "config.json").is_file() else {}
     architectures = config.get("architectures") or []
