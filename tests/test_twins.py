@@ -43,3 +43,28 @@ def test_twin_free_gold_pairs_each_arm_with_step_0_on_the_other_problems(tmp_pat
     results = {"arms": {}, "pairs": {}, "reward_models": {}, "twin_free": tf}
     assert "3 of the 5 held-out problems have a twin in training" in report_markdown(results)
     assert twin_free(tmp_path / "missing", arms, base) is None
+
+
+def test_twins_apart_drops_the_training_problems_with_a_held_out_twin(tmp_path):
+    """chain_sum of two one-digit terms (200 distinct problems): about a fifth of a random split's held-out additions
+    have their commuted twin in training; --twins-apart drops exactly those training rows and no others."""
+    from tether.pipeline.config import RLHFConfig
+    from tether.pipeline.stages import prepare_task
+
+    def split(apart: bool, d):
+        cfg = RLHFConfig()
+        cfg.task.prompts, cfg.ppo.eval_n, cfg.task.twins_apart = \
+            "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1", 100, apart
+        summary = prepare_task(cfg, d)
+        return summary, [[json.loads(x) for x in (d / n).read_text().splitlines()] for n in ("train.jsonl",
+                                                                                            "heldout.jsonl")]
+    plain, (train, held) = split(False, tmp_path / "plain")
+    apart, (train_apart, held_apart) = split(True, tmp_path / "apart")
+    twins = plain["training_rows_with_a_held_out_twin"]
+    # counted by hand: a training "a + b = " whose "b + a = " (a != b) is held out
+    expressions = {json.loads(r["rg_metadata"])["expression"] for r in held}
+    by_hand = sum(1 for r in train if (e := json.loads(r["rg_metadata"])["expression"]).count("+") == 1
+                  and e.split(" + ")[0] != e.split(" + ")[1] and " + ".join(reversed(e.split(" + "))) in expressions)
+    assert twins == by_hand > 5 and apart["training_twins_dropped"] == twins
+    assert held_apart == held and len(train_apart) == len(train) - twins
+    assert not any(twin_flags(train_apart, held_apart)) and [r for r in train if r in train_apart] == train_apart

@@ -38,6 +38,9 @@ class PipelineTask:
     task_train: int = option(2000, "rg: tasks: training problems", low=1, flag="--task-train")
     task_seed: int = option(0, "the task split's seed (the same held-out problems for every run seed)",
                             flag="--task-seed")
+    twins_apart: bool = option(False, "drop the training problems that have a twin among the held-out ones (the "
+                               "same words in another order, the same answer: tether/pipeline/twins.py)",
+                               flag="--twins-apart")
     chat_template: str = option("auto", "wrap prompts in the tokenizer's chat template",
                                 choices=("auto", "on", "off"))
     system_prompt: str = option("", "system turn of the chat template, for every stage", flag="--system-prompt")

@@ -63,7 +63,8 @@ def task_prompt(cfg: RLHFConfig) -> str:
 def prepare_task(cfg: RLHFConfig, d: Path) -> dict:
     """The training and held-out rows, written once so that every stage and arm reads the same problems: an rg:
     task's own split (:func:`tether.tasks.split_rows`), or the prompt file with ``--eval-prompts`` (else its last
-    ``--eval-n`` rows after a shuffle seeded by ``--task-seed``)."""
+    ``--eval-n`` rows after a shuffle seeded by ``--task-seed``); with ``--twins-apart`` less the training rows that
+    have a held-out twin (:mod:`tether.pipeline.twins`)."""
     from tether.inputs.prompt_rows import load_prompts
 
     t = cfg.task
@@ -79,13 +80,19 @@ def prepare_task(cfg: RLHFConfig, d: Path) -> dict:
             random.Random(t.task_seed).shuffle(rows)
             n_eval = min(cfg.ppo.eval_n, len(rows) // 2)
             train, held_out = rows[:len(rows) - n_eval], rows[len(rows) - n_eval:]
+    from tether.pipeline.twins import twin_flags
+
+    twins = twin_flags(held_out, train)  # a training row with a held-out twin
+    if t.twins_apart:
+        train = [row for row, twin in zip(train, twins) if not twin]
     if not train or not held_out:
         raise ConfigError(f"--task {t.prompts}: {len(train)} training and {len(held_out)} held-out rows; both are "
                           "needed")
     d.mkdir(parents=True, exist_ok=True)
     for name, rows in ((TRAIN, train), (HELD_OUT, held_out)):
         (d / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return {"train": len(train), "held_out": len(held_out), "gold": gold_spec(cfg)}
+    return {"train": len(train), "held_out": len(held_out), "gold": gold_spec(cfg),
+            "training_twins_dropped" if t.twins_apart else "training_rows_with_a_held_out_twin": sum(twins)}
 
 
 def _apply_yaml(stage_cfg, path: str) -> None:
