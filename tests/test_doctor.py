@@ -749,6 +749,16 @@ def test_reward_without_gold_is_a_warning_when_the_reward_rises_significantly_an
     assert "HEALTHY" not in format_diagnosis(d) and d.to_dict()["level"] == "WARNING"
     for rows in (held_out_rows(8, 10, None), held_out_rows(20, 0, rising)):  # reward = gold; gold rose with the reward
         assert not any(n.startswith("reward without gold") for n in diagnose(rows, run_config=finished).notes)
+    # gold that moved a little is no gain: +11 / −8 (P[X >= 11 | 19, 1/2] = 0.324 by hand) is the note; +14 / −3
+    # (P[X >= 14 | 17, 1/2] = 0.0064 < 0.0202, the warning level's p) is a gain, no note
+    assert sum(math.comb(19, i) for i in range(11, 20)) / 2 ** 19 == pytest.approx(0.3238, abs=1e-4)
+    note = next(n for n in diagnose(held_out_rows(11, 8, rising), run_config=finished).notes
+                if n.startswith("reward without gold"))
+    assert "did not rise significantly (38% -> 40%; paired: 11 wrong -> right, 8 right -> wrong, p of a gain = 0.32)" \
+        in note
+    assert sum(math.comb(17, i) for i in range(14, 18)) / 2 ** 17 < 0.0202
+    assert not any(n.startswith("reward without gold") for n in diagnose(held_out_rows(14, 3, rising),
+                                                                         run_config=finished).notes)
     # a significant fall with the reward up is reward hacking, named by the gold band, not a note
     d = diagnose(held_out_rows(0, 30, rising), run_config=finished)
     assert d.failure_mode == "reward hacking" and not any(n.startswith("reward without gold") for n in d.notes)

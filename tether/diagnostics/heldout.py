@@ -135,24 +135,30 @@ def reward_rise_z(first, last, rows: list[dict]) -> float | None:
 
 def reward_without_gold(monitor: HealthMonitor, rows: list[dict]) -> list[str]:
     """A warning when the last evaluation's held-out reward is significantly above the first's (:func:`reward_rise_z`
-    ≥ the gold bands' warning level, 2.05: one-sided p 0.02) while its gold accuracy is not, and no gold band
-    alarmed. A learned reward can rise on held-out prompts while the task's own check stays put: the policy found
+    ≥ the gold bands' warning level, 2.05: one-sided p 0.02) while its gold accuracy is not (the paired one-sided
+    McNemar p of a gain above that level's 0.0202; without per-problem results, accuracy not above the first's), and
+    no gold band alarmed. A learned reward can rise on held-out prompts while the task's own check stays put: the policy found
     what the reward model likes and the task does not (recipe 5 of docs/real-models.md, β = 0.2: held-out reward
     0.13 -> 0.82, accuracy 39% -> 37%, the replies gathering on two favourite numbers). A rise within the noise is
-    no such evidence (issue 51: 0.380 -> 0.381 over 200 prompts gave the note, 0.379 none, a coin flip). A reward
-    that is the gold check itself cannot rise without gold rising, so the note never fires for it."""
+    no such evidence (issue 51: 0.380 -> 0.381 over 200 prompts gave the note, 0.379 none, a coin flip). Gold that
+    moved a little is not a gain either (`tether rlhf` chain_sum seed 1, β = 0.04: reward 0.04 -> 0.99 as the replies
+    took one phrasing the reward model favours, gold 39% -> 42%, +11 / −8, p of a gain 0.32). A reward that is the
+    gold check itself (the held-out reward equal to the accuracy at both evaluations) gets no note: near the ceiling
+    its unpaired rise can pass 2.05 while the paired test stays short (184 of 200 right, +16 / −6: z 2.2, p 0.026)."""
     gold = gold_tracker(monitor)
     if gold is None or len(gold.gold.evaluations) < 2 or _gold_alarmed(monitor):
         return []
     first, last = gold.gold.evaluations[0], gold.gold.evaluations[-1]
     z = reward_rise_z(first, last, rows)
-    if not (last.accuracy <= first.accuracy and z is not None and z >= GOLD_WARN):
-        return []
     gain = gold.gold.gain_since_first()
+    gold_rose = gain[2] <= upper_tail(GOLD_WARN) if gain else last.accuracy > first.accuracy
+    reward_is_gold = all(abs(e.reward - e.accuracy) < 1e-9 for e in (first, last))
+    if gold_rose or reward_is_gold or z is None or z < GOLD_WARN:
+        return []
     paired = (f"; paired: {gain[0]} wrong -> right, {gain[1]} right -> wrong, p of a gain = {gain[2]:.2g}"
               if gain else "")
     return [f"{REWARD_WITHOUT_GOLD}: the held-out reward rose {first.reward:.3g} -> {last.reward:.3g} from step "
-            f"{first.step} to step {last.step} (z = {z:.1f} standard errors) while gold accuracy did not "
+            f"{first.step} to step {last.step} (z = {z:.1f} standard errors) while gold accuracy did not rise significantly "
             f"({100 * first.accuracy:.0f}% -> {100 * last.accuracy:.0f}%{paired}): the reward's gain has not bought "
             f"the task (a reward model's favourites, a format it over-rates); read the answers"]
 
