@@ -137,8 +137,8 @@ def reward_without_gold(monitor: HealthMonitor, rows: list[dict]) -> list[str]:
     """A warning when the last evaluation's held-out reward is significantly above the first's (:func:`reward_rise_z`
     ≥ the gold bands' warning level, 2.05: one-sided p 0.02) while its gold accuracy is not (the paired one-sided
     McNemar p of a gain above that level's 0.0202; without per-problem results, accuracy not above the first's), and
-    no gold band alarmed. A learned reward can rise on held-out prompts while the task's own check stays put: the policy found
-    what the reward model likes and the task does not (recipe 5 of docs/real-models.md, β = 0.2: held-out reward
+    no gold band alarmed. A learned reward can rise on held-out prompts while the task's own check stays put: the
+    policy found what the reward model likes and the task does not (recipe 5 of docs/real-models.md, β = 0.2: held-out reward
     0.13 -> 0.82, accuracy 39% -> 37%, the replies gathering on two favourite numbers). A rise within the noise is
     no such evidence (issue 51: 0.380 -> 0.381 over 200 prompts gave the note, 0.379 none, a coin flip). Gold that
     moved a little is not a gain either (`tether rlhf` chain_sum seed 1, β = 0.04: reward 0.04 -> 0.99 as the replies
@@ -158,9 +158,9 @@ def reward_without_gold(monitor: HealthMonitor, rows: list[dict]) -> list[str]:
     paired = (f"; paired: {gain[0]} wrong -> right, {gain[1]} right -> wrong, p of a gain = {gain[2]:.2g}"
               if gain else "")
     return [f"{REWARD_WITHOUT_GOLD}: the held-out reward rose {first.reward:.3g} -> {last.reward:.3g} from step "
-            f"{first.step} to step {last.step} (z = {z:.1f} standard errors) while gold accuracy did not rise significantly "
-            f"({100 * first.accuracy:.0f}% -> {100 * last.accuracy:.0f}%{paired}): the reward's gain has not bought "
-            f"the task (a reward model's favourites, a format it over-rates); read the answers"]
+            f"{first.step} to step {last.step} (z = {z:.1f} standard errors) while gold accuracy did not rise "
+            f"significantly ({100 * first.accuracy:.0f}% -> {100 * last.accuracy:.0f}%{paired}): the reward's gain "
+            f"has not bought the task (a reward model's favourites, a format it over-rates); read the answers"]
 
 
 def gold_fell(monitor: HealthMonitor) -> list[str]:

@@ -149,12 +149,12 @@ def twin_free(task_dir: Path, arms: dict, base: str | None) -> dict | None:
     (:mod:`tether.pipeline.twins`), paired against step 0 on the same problems; None without step 0 or the split."""
     from tether.pipeline.twins import select, twin_flags
 
+    if base is None:
+        return None
     try:
         train, held = ([json.loads(x) for x in (task_dir / name).read_text(encoding="utf-8").splitlines() if x.strip()]
                        for name in ("train.jsonl", "heldout.jsonl"))
     except (OSError, ValueError):
-        return None
-    if base is None:
         return None
     keep = [not twin for twin in twin_flags(train, held)][:len(base)]
     base_kept = select(base, keep)

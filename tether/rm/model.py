@@ -256,7 +256,6 @@ def foreign_reward_model(path: Path, device=None, dtype=None) -> RewardModel:
     (mean 0, std 1: z = r), as TRL's trainers use a reward model's logit; one line on stderr says so. Text is
     formatted as TRL's reward trainer formats it: the tokenizer's chat template when it has one, else prompt +
     reply. A directory that is not a one-output sequence classifier is a one-line error saying what it is."""
-
     config = json.loads((path / "config.json").read_text(encoding="utf-8")) if (path / "config.json").is_file() else {}
     architectures = config.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
