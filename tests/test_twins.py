@@ -65,6 +65,7 @@ def test_twins_apart_drops_the_training_problems_with_a_held_out_twin(tmp_path):
     expressions = {json.loads(r["rg_metadata"])["expression"] for r in held}
     by_hand = sum(1 for r in train if (e := json.loads(r["rg_metadata"])["expression"]).count("+") == 1
                   and e.split(" + ")[0] != e.split(" + ")[1] and " + ".join(reversed(e.split(" + "))) in expressions)
-    assert twins == by_hand > 5 and apart["training_twins_dropped"] == twins
+    assert twins == by_hand > 5 and apart["training_rows_with_a_held_out_twin"] == twins
+    assert apart["train"] == plain["train"] - twins and apart["twins_dropped"] and not plain["twins_dropped"]
     assert held_apart == held and len(train_apart) == len(train) - twins
     assert not any(twin_flags(train_apart, held_apart)) and [r for r in train if r in train_apart] == train_apart

@@ -92,7 +92,7 @@ def prepare_task(cfg: RLHFConfig, d: Path) -> dict:
     for name, rows in ((TRAIN, train), (HELD_OUT, held_out)):
         (d / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return {"train": len(train), "held_out": len(held_out), "gold": gold_spec(cfg),
-            "training_twins_dropped" if t.twins_apart else "training_rows_with_a_held_out_twin": sum(twins)}
+            "training_rows_with_a_held_out_twin": sum(twins), "twins_dropped": t.twins_apart}
 
 
 def _apply_yaml(stage_cfg, path: str) -> None:
