@@ -7,7 +7,7 @@ K = 4
 def filter_cfg(tmp_path, files, reward="difficulty_rules:flat_for_even", **overrides):
     """A GRPO run with --filter-groups on the tiny models (``files``: policy dir, prompts file), K = 4, 4 groups a
     step. Rounds of exactly --batch-size prompts (difficulty.oversample 1), as the counts these tests assert were
-    worked out for; tests/test_oversample.py tests the sized rounds of the default."""
+    worked out for (the default); tests/test_oversample.py tests the sized rounds of --filter-oversample 0."""
     from tiny import tiny_config
 
     settings = dict(samples_per_prompt=K, advantage__estimator="grpo", batch_size=4, ppo__mini_batches=2,

@@ -77,9 +77,10 @@ class DifficultyConfig:
     max_rounds: int = option(4, "--filter-groups: extra rounds of drawing at most per step; reached, the "
                              "step trains on the groups it has (filter/groups_short, one warning line)", low=0,
                              flag="--filter-max-rounds")
-    oversample: float = option(0.0, "--filter-groups: prompts the first round draws, as a multiple of --batch-size; "
-                               "0 = sized from the recent steps' share of groups with no spread (the first step "
-                               "draws --batch-size), 1 = rounds of exactly --batch-size prompts",
+    oversample: float = option(1.0, "--filter-groups: prompts the first round draws, as a multiple of --batch-size; "
+                               "1 = rounds of exactly --batch-size prompts (on a CPU, where decoding more rows costs "
+                               "more: docs/performance.md), 0 = one round sized from the recent steps' share of groups "
+                               "with no spread (the first step draws --batch-size; for a GPU's weight-bound decoding)",
                                low=0.0, flag="--filter-oversample")
     curriculum: bool = option(False, "an online prompt curriculum: each prompt's pass rate over its last "
                               "difficulty.memory visits is remembered (checkpointed); prompts that passed all or none "

@@ -10,16 +10,22 @@ penalty, and raw 6..9 clipped to 5 have none. Such groups are dropped, and more 
 sampled, until this process holds ``--batch-size`` groups with spread or ``difficulty.max_rounds`` extra rounds have
 run.
 
-One oversampled round (DAPO's generation batch larger than its train batch). Decoding a small model is bound by
-reading its weights once per decode step, so a round's cost is set by its decode steps, not its rows: three rounds
-of G prompts cost about three times one round of 3G. So the first round draws enough prompts to fill the batch with
-groups that have spread, as the run knows its flat share — an average of the recent steps' share of drawn groups
-with no spread (checkpointed with the prompt stream; the curriculum's down-weighting of solved prompts shows in it)
-— and an extra round draws what is still missing, sized the same way (:func:`prompts_to_draw`). The first step knows
-nothing and draws ``--batch-size``. Sized rounds draw each prompt at most once a step: at most the prompts the step
-has not drawn, and no extra round once it has drawn them all. ``difficulty.oversample`` fixes the factor instead; 1
-is the rounds of exactly ``--batch-size`` prompts of earlier versions. Surplus groups with spread are dropped as the
-rule says: the first ``--batch-size`` in draw order are kept.
+Rounds of ``--batch-size`` prompts (``difficulty.oversample`` 1, the default): the first round draws the batch's
+prompts, and each extra round as many again, until the batch is full or the rounds run out. A multiple M > 1 makes
+the first round M × ``--batch-size``.
+
+One oversampled round (``difficulty.oversample`` 0; DAPO's generation batch larger than its train batch). Where
+decoding is bound by reading the weights once per decode step (a GPU, or a CPU below ~8–16 rows), a round's cost is
+set by its decode steps, not its rows: three rounds of G prompts cost about three times one round of 3G. Then the
+first round draws enough prompts to fill the batch with groups that have spread, as the run knows its flat share —
+an average of the recent steps' share of drawn groups with no spread (checkpointed with the prompt stream; the
+curriculum's down-weighting of solved prompts shows in it) — and an extra round draws what is still missing, sized
+the same way (:func:`prompts_to_draw`). The first step knows nothing and draws ``--batch-size``. Sized rounds draw
+each prompt at most once a step: at most the prompts the step has not drawn, and no extra round once it has drawn
+them all. It is not the default: on a 2-core CPU a decode step of 96 rows costs 3.6× one of 32 (compute, not the
+weights' bytes, sets it there), and the sized round's margin draws more prompts than fixed rounds need, so the real
+step's generation took 38 s against 21 s (docs/performance.md). Surplus groups with spread are dropped as the rule
+says: the first ``--batch-size`` in draw order are kept.
 
 Every process takes part in every round (generation is collective with a sharded policy, a
 tensor-parallel engine or rollout processes), so the rounds end when *every* process is full: a process already
