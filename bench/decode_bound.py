@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from machine import cpu_name
 
+from tether.ppo.perf import peak_flops  # noqa: E402
+
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second of a sum over ``gib`` GiB of fp32 (each byte read once)."""
@@ -96,8 +98,6 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     tokenizer, model = load(a.model, dtype)
-    from tether.ppo.perf import peak_flops
-
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     matmul_weights = sum(p.numel() for p in model.parameters() if p.dim() == 2)
     bandwidth = read_bandwidth()

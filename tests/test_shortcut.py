@@ -240,16 +240,16 @@ def test_a_held_out_split_smaller_than_eval_n_is_read_in_full(tmp_path):
         if "eval/n" in row:
             row["eval/n"] = 36
     (run / "metrics.jsonl").write_text("".join(json_.dumps(r) + "\n" for r in rows))
-    assert [f.eval_n for f in judge_run(run)] == [36, 36]
+    assert [f.eval_n for f in judge_run(run, rows)] == [36, 36]
     assert not any("shortcut check read" in n for n in diagnose_run(run).notes)
 
 
 def test_unrecorded_or_single_evaluations_are_not_judged(tmp_path):
-    assert judge_run(tmp_path) == []
+    assert judge_run(tmp_path, []) == []
     (tmp_path / "samples").mkdir()
     (tmp_path / "samples" / "step_0.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "score": 0}))
     (tmp_path / "samples" / "step_5.jsonl").write_text("not json\n")
-    assert judge_run(tmp_path) == []
+    assert judge_run(tmp_path, []) == []
 
 
 # ------------------------------------------------------------------------------------------------- the reward
@@ -344,6 +344,7 @@ def test_a_run_writes_every_held_out_answer_for_the_per_problem_checks(tmp_path)
     from tiny import make_policy_dir, make_prompts_file, tiny_config
 
     from tether.ppo.train import train
+    from tether.runlog import read_jsonl_rows
 
     cfg = tiny_config(tmp_path, make_policy_dir(tmp_path), make_prompts_file(tmp_path, n=40), steps=1,
                       eval__every=1, eval__n=20, eval__at_start=True, data__eval_fraction=0.5)
@@ -352,7 +353,7 @@ def test_a_run_writes_every_held_out_answer_for_the_per_problem_checks(tmp_path)
     for step in (0, 1):
         rows = (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()
         assert len(rows) == 20
-    trace = judge_run(run_dir)
+    trace = judge_run(run_dir, read_jsonl_rows(run_dir / "metrics.jsonl"))
     assert [(f.n, f.eval_n) for f in trace] == [(20, 20)]
 
 

@@ -270,7 +270,8 @@ def diagnose_run(run_dir: str | Path, config: HealthConfig | None = None) -> Dia
     d = diagnose(rows, config or health_config_from_run(run_config), run_config=run_config)
     if d.failure_mode == SHORTCUT:
         d.evidence["answers"] = answers_beside_reference(run_dir, d.alarm_step)
-    add_verdict(d, judge_run(run_dir, rows), _prescribe(TASK_DROPPED, run_config))  # per problem: tether.diagnostics.shortcut
+    # per problem: tether.diagnostics.shortcut
+    add_verdict(d, judge_run(run_dir, rows), _prescribe(TASK_DROPPED, run_config))
     d.hang = read_hangs(run_dir)
     add_best(d, rows, run_dir, run_config)  # a run that fell: the best evaluation's step and where its weights are
     return d
@@ -383,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     d = diagnose(rows, config, run_config=run_config)
     d.hang = hang
-    add_verdict(d, judge_run(args.run_dir, rows), _prescribe(TASK_DROPPED, run_config))  # the held-out answers, per problem
+    add_verdict(d, judge_run(args.run_dir, rows), _prescribe(TASK_DROPPED, run_config))  # held-out answers, per problem
     add_best(d, rows, args.run_dir, run_config)
     if args.json:
         print(json.dumps(d.to_dict(), ensure_ascii=False))

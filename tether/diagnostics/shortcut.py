@@ -207,17 +207,17 @@ def load_evaluations(run_dir: str | Path) -> list[tuple[int, list[dict]]]:
     return sorted(out, key=lambda e: e[0])
 
 
-def judge_run(run_dir: str | Path, rows: list[dict] | None = None) -> list[Finding]:
+def judge_run(run_dir: str | Path, rows: list[dict]) -> list[Finding]:
     """Every later evaluation against the first, in step order ([] with fewer than two recorded evaluations), each
     knowing the run's ``eval.n`` where its config.yaml says it, capped at the problems the evaluation read
-    (``eval/n`` of the run's metrics ``rows``; read from metrics.jsonl when not given)."""
+    (``eval/n`` of the run's metrics ``rows``, as the doctor loaded them)."""
     evaluations = load_evaluations(run_dir)
     if len(evaluations) < 2:
         return []
     (first_step, first), later = evaluations[0], evaluations[1:]
     trace = [judge(first, samples, step, first_step) for step, samples in later]
     eval_n = _eval_n(Path(run_dir) / "config.yaml")
-    evaluated = _evaluated_n(rows if rows is not None else _metrics_rows(Path(run_dir) / "metrics.jsonl"))
+    evaluated = _evaluated_n(rows)
     for f in trace:
         # eval.n is an upper bound: a held-out split with fewer problems evaluates them all (eval/n at that step)
         f.eval_n = eval_n if evaluated.get(f.step) is None or eval_n is None else min(eval_n, evaluated[f.step])
@@ -228,21 +228,6 @@ def _evaluated_n(rows: list[dict]) -> dict[int, int]:
     """``{step: eval/n}``: how many held-out problems each evaluation read."""
     return {r["step"]: r["eval/n"] for r in rows
             if isinstance(r, dict) and isinstance(r.get("eval/n"), int) and isinstance(r.get("step"), int)}
-
-
-def _metrics_rows(path: Path) -> list:
-    """The parsed lines of ``metrics.jsonl`` (unreadable lines skipped; [] without the file)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _eval_n(path: Path) -> int | None:
